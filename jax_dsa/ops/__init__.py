@@ -1,0 +1,1 @@
+"""The public DSA ops: implementation choice, validation and custom VJPs live here."""

@@ -1,0 +1,215 @@
+"""``sparse_mla``: DeepSeek sparse attention over MLA's shared latent rows (the public op).
+
+The contract is FlashMLA v2's sparse prefill forward (deepseek-ai/FlashMLA,
+``flash_mla_sparse_fwd``) with the cuDNN frontend's DSA backward (NVIDIA/cudnn-frontend,
+``SparseAttentionBackward``); see ``shared/research/flashmla.md`` and ``cudnn_dsa.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_dsa.ops import sparse_mla_xla
+
+IMPLEMENTATIONS = ("xla", "cpu", "cuda")
+# The implementations built into this release; "cpu" and "cuda" arrive with the native layer.
+AVAILABLE = ("xla",)
+# Head dimensions the GPU kernels are compiled for (absorbed MLA 512 + 64 RoPE; DeepSeek V4 512).
+KERNEL_D_QK = (512, 576)
+
+# Names of the residuals saved for the backward, for `jax.checkpoint` policies such as
+# `jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)`.
+OUT_NAME = "sparse_mla_out"
+LSE_NAME = "sparse_mla_lse"
+RESIDUAL_NAMES = (OUT_NAME, LSE_NAME)
+
+
+def sparse_mla(
+    q,
+    kv,
+    indices,
+    *,
+    sm_scale,
+    d_v: int = 512,
+    attn_sink=None,
+    topk_length=None,
+    implementation: str | None = None,
+):
+    """Sparse multi-query attention of each query over its own list of key rows.
+
+    Each query token ``t`` attends, with all of its heads, to the rows ``kv[indices[t, j]]``.
+    Keys are the full rows (``D_qk`` wide); values are their first ``d_v`` columns (K = V, as in
+    MLA's absorbed form). For query ``t``, head ``h`` and valid slots ``j``::
+
+        s_j   = sm_scale * q[t, h] . kv[indices[t, j]]
+        lse   = log(sum_j exp(s_j))                        (natural log, sink excluded)
+        out   = sum_j exp(s_j) * kv[indices[t, j], :d_v] / (exp(lse) + exp(attn_sink[h]))
+
+    A slot ``j`` is invalid when ``indices[t, j] < 0``, ``indices[t, j] >= S_kv`` or
+    ``j >= topk_length[t]``; invalid slots are never read. A row with no valid slot gives
+    ``out = 0`` and ``lse = +inf`` and passes no gradient. Duplicate indices in a row count as
+    separate slots.
+
+    Args:
+      q: ``[..., S_q, H, D_qk]`` float16, bfloat16, float32 (or float64 under x64).
+      kv: ``[..., S_kv, D_qk]``, q's dtype: one latent row per token, shared by all heads.
+      indices: ``[..., S_q, K]`` integer row ids into the same batch element's ``kv``.
+      sm_scale: softmax scale (Python number). Required: MLA uses the un-absorbed scale
+        (GLM-5: 1/16; DeepSeek V3.2: 192**-0.5 * mscale**2; DeepSeek V4: 512**-0.5), not
+        ``D_qk**-0.5``.
+      d_v: value width, the first ``d_v`` columns of each kv row; ``0 < d_v <= D_qk``.
+      attn_sink: optional ``[H]`` float32 logit per head added to the softmax denominator
+        (``-inf`` = no sink). It does not enter ``lse``.
+      topk_length: optional ``[..., S_q]`` integer count of leading slots to use per query.
+      implementation: ``"xla"`` (pure JAX, any platform), ``"cpu"``, ``"cuda"``, or ``None`` for
+        the best available one. Only ``"xla"`` is built in this release.
+
+    Returns:
+      ``out [..., S_q, H, d_v]`` in q's dtype and ``lse [..., S_q, H]`` float32.
+
+    Gradients (``jax.custom_vjp``): ``dq``, ``dkv`` (the key and value contributions summed in
+    one buffer) and ``d_attn_sink``. ``indices`` and ``topk_length`` take none. ``lse`` is
+    treated as a constant: a cotangent flowing into it is ignored (as in the cuDNN backward);
+    wrap it in ``jax.lax.stop_gradient`` when using it in a loss. The residuals ``out`` and
+    ``lse`` are tagged with :data:`RESIDUAL_NAMES` for ``jax.checkpoint`` policies.
+
+    Raises:
+      TypeError: missing ``sm_scale``, non-integer ``indices``/``topk_length``, non-float or
+        mismatched ``q``/``kv`` dtypes.
+      ValueError: wrong ranks or shapes (named by argument), ``d_v`` out of range, an unknown
+        implementation, or ``D_qk`` not in (512, 576) for the GPU implementation.
+      NotImplementedError: an implementation that this build does not contain.
+    """
+    impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
+    batch = q.shape[:-3]
+    s_q, h, d_qk = q.shape[-3:]
+    s_kv, topk = kv.shape[-2], indices.shape[-1]
+    nb = 1
+    for n in batch:
+        nb *= n
+
+    q3 = q.reshape((nb, s_q, h, d_qk))
+    kv3 = kv.reshape((nb, s_kv, d_qk))
+    idx3 = indices.astype(jnp.int32).reshape((nb, s_q, topk))
+    if topk_length is None:
+        len2 = jnp.full((nb, s_q), topk, jnp.int32)
+    else:
+        len2 = topk_length.astype(jnp.int32).reshape((nb, s_q))
+    if attn_sink is None:
+        sink = jnp.full((h,), -jnp.inf, jnp.float32)
+    else:
+        sink = attn_sink
+    config = (float(sm_scale), int(d_v), impl, sparse_mla_xla.default_block_q(s_q, topk, d_qk))
+    out, lse = _sparse_mla(q3, kv3, idx3, sink, len2, config)
+    return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+
+
+def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation):
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"sparse_mla: implementation must be one of {IMPLEMENTATIONS} or None, got "
+            f"{implementation!r}"
+        )
+    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise TypeError(
+            "sparse_mla: sm_scale must be a Python number (the model's softmax scale, e.g. 1/16 "
+            f"for GLM-5); got {sm_scale!r}"
+        )
+    if q.ndim < 3:
+        raise ValueError(f"sparse_mla: q must be [..., S_q, H, D_qk], got shape {q.shape}")
+    batch = q.shape[:-3]
+    nbd = len(batch)
+    if kv.ndim != nbd + 2:
+        raise ValueError(
+            f"sparse_mla: kv must be [..., S_kv, D_qk] with q's {nbd} batch dims, got shape "
+            f"{kv.shape} for q {q.shape}"
+        )
+    if indices.ndim != nbd + 2:
+        raise ValueError(
+            f"sparse_mla: indices must be [..., S_q, K] with q's {nbd} batch dims, got shape "
+            f"{indices.shape} for q {q.shape}"
+        )
+    if kv.shape[:-2] != batch or indices.shape[:-2] != batch:
+        raise ValueError(
+            f"sparse_mla: batch dims differ: q {batch}, kv {kv.shape[:-2]}, indices "
+            f"{indices.shape[:-2]}"
+        )
+    s_q, h, d_qk = q.shape[-3:]
+    if kv.shape[-1] != d_qk:
+        raise ValueError(f"sparse_mla: kv's last dim {kv.shape[-1]} must equal q's D_qk {d_qk}")
+    if indices.shape[-2] != s_q:
+        raise ValueError(f"sparse_mla: indices has S_q {indices.shape[-2]}, q has {s_q}")
+    if indices.shape[-1] < 1:
+        raise ValueError("sparse_mla: indices must have at least one slot (K >= 1)")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"sparse_mla: indices must be an integer array, got {indices.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
+        raise TypeError(
+            f"sparse_mla: q and kv must share one float dtype, got {q.dtype} and {kv.dtype}"
+        )
+    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or not 0 < d_v <= d_qk:
+        raise ValueError(f"sparse_mla: d_v must be an int with 0 < d_v <= D_qk={d_qk}, got {d_v!r}")
+    if attn_sink is not None:
+        if attn_sink.shape != (h,):
+            raise ValueError(f"sparse_mla: attn_sink must be [H]=({h},), got {attn_sink.shape}")
+        if not jnp.issubdtype(attn_sink.dtype, jnp.floating):
+            raise TypeError(f"sparse_mla: attn_sink must be float32, got {attn_sink.dtype}")
+    if topk_length is not None:
+        if topk_length.shape != batch + (s_q,):
+            raise ValueError(
+                f"sparse_mla: topk_length must be [..., S_q]={batch + (s_q,)}, got "
+                f"{topk_length.shape}"
+            )
+        if not jnp.issubdtype(topk_length.dtype, jnp.integer):
+            raise TypeError(
+                f"sparse_mla: topk_length must be an integer array, got {topk_length.dtype}"
+            )
+    impl = implementation or AVAILABLE[0]
+    if impl == "cuda" and d_qk not in KERNEL_D_QK:
+        raise ValueError(
+            f"sparse_mla: implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {d_qk}"
+        )
+    if impl not in AVAILABLE:
+        raise NotImplementedError(
+            f"sparse_mla: implementation={impl!r} is not built into this jax_dsa; available: "
+            f"{AVAILABLE}"
+        )
+    return impl
+
+
+# config = (sm_scale, d_v, implementation, block_q): static, hashable.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _sparse_mla(q, kv, indices, sink, lengths, config):
+    return _forward(q, kv, indices, sink, lengths, config)
+
+
+def _forward(q, kv, indices, sink, lengths, config):
+    sm_scale, d_v, _, block_q = config
+    fwd = functools.partial(sparse_mla_xla.forward, sm_scale=sm_scale, d_v=d_v, block_q=block_q)
+    return jax.vmap(fwd, in_axes=(0, 0, 0, None, 0))(q, kv, indices, sink, lengths)
+
+
+def _fwd_rule(q, kv, indices, sink, lengths, config):
+    out, lse = _forward(q, kv, indices, sink, lengths, config)
+    out = checkpoint_name(out, OUT_NAME)
+    lse = checkpoint_name(lse, LSE_NAME)
+    return (out, lse), (q, kv, indices, sink, lengths, out, lse)
+
+
+def _bwd_rule(config, residuals, cotangents):
+    q, kv, indices, sink, lengths, out, lse = residuals
+    dout, _ = cotangents  # lse takes no gradient (see the docstring)
+    sm_scale, d_v, _, block_q = config
+    bwd = functools.partial(sparse_mla_xla.backward, sm_scale=sm_scale, d_v=d_v, block_q=block_q)
+    dq, dkv, dsink = jax.vmap(bwd, in_axes=(0, 0, 0, None, 0, 0, 0, 0))(
+        q, kv, indices, sink, lengths, out, lse, dout.astype(out.dtype)
+    )
+    return dq, dkv, None, jnp.sum(dsink, axis=0), None
+
+
+_sparse_mla.defvjp(_fwd_rule, _bwd_rule)
