@@ -1,0 +1,304 @@
+"""sparse_mla against a float64 NumPy oracle (forward and analytic gradients) and finite differences."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import enable_x64
+from jax.test_util import check_grads
+
+from jax_dsa import sparse_mla
+from jax_dsa.ops import sparse_mla as sparse_mla_module
+
+INT32_MAX = np.iinfo(np.int32).max
+INT32_MIN = np.iinfo(np.int32).min
+
+
+def oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, dout=None):
+    """float64 loops over rows: out, lse and (given dout) dq, dkv, dsink. One batch element."""
+    q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
+    s_q, h, d = q.shape
+    s_kv = kv.shape[0]
+    sink = np.full(h, -np.inf) if sink is None else np.asarray(sink, np.float64)
+    out = np.zeros((s_q, h, d_v))
+    lse = np.full((s_q, h), np.inf)
+    dq, dkv, dsink = np.zeros_like(q), np.zeros_like(kv), np.zeros(h)
+    for t in range(s_q):
+        n = idx.shape[1] if length is None else length[t]
+        rows = [int(j) for j in idx[t, :n] if 0 <= j < s_kv]
+        if not rows:
+            continue
+        k = kv[rows]  # [n, d]
+        s = sm_scale * q[t] @ k.T  # [h, n]
+        lse[t] = np.log(np.exp(s).sum(-1))
+        z = np.exp(s).sum(-1) + np.exp(sink)
+        p = np.exp(s) / z[:, None]
+        out[t] = p @ k[:, :d_v]
+        if dout is None:
+            continue
+        do = np.asarray(dout[t], np.float64)
+        delta = (do * out[t]).sum(-1)
+        ds = p * (do @ k[:, :d_v].T - delta[:, None])
+        dq[t] = sm_scale * ds @ k
+        contrib = sm_scale * ds.T @ q[t]
+        contrib[:, :d_v] += p.T @ do
+        for a, r in enumerate(rows):
+            dkv[r] += contrib[a]
+        dsink -= np.exp(sink) / z * delta
+    return out, lse, dq, dkv, dsink
+
+
+def make_inputs(rng, batch, s_q, s_kv, h, d, k, dtype=np.float32):
+    q = rng.standard_normal(batch + (s_q, h, d)).astype(dtype)
+    kv = rng.standard_normal(batch + (s_kv, d)).astype(dtype)
+    idx = rng.integers(0, s_kv, batch + (s_q, k)).astype(np.int32)
+    return q, kv, idx
+
+
+def run(q, kv, idx, dout, **kw):
+    """out, lse and the vjp of out, through the public op."""
+    f = lambda q, kv, sink: sparse_mla(q, kv, idx, attn_sink=sink, **kw)
+    sink = kw.pop("attn_sink", None)
+    (out, lse), vjp = jax.vjp(f, q, kv, sink)
+    dq, dkv, dsink = vjp((dout, jnp.zeros_like(lse)))
+    return out, lse, dq, dkv, dsink
+
+
+def rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=1e-5):
+    rng = np.random.default_rng(7)
+    dout = rng.standard_normal(q.shape[:-1] + (d_v,)).astype(q.dtype)
+    kw = dict(sm_scale=sm_scale, d_v=d_v)
+    if sink is not None:
+        kw["attn_sink"] = jnp.asarray(sink, jnp.float32)
+    if length is not None:
+        kw["topk_length"] = jnp.asarray(length)
+    out, lse, dq, dkv, dsink = run(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), dout, **kw)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    batch = q.shape[:-3]
+    for b in np.ndindex(*batch):
+        ref = oracle(q[b], kv[b], idx[b], sm_scale, d_v, sink,
+                     None if length is None else length[b], dout[b])
+        assert rel_l2(out[b], ref[0]) <= tol
+        finite = np.isfinite(ref[1])
+        np.testing.assert_array_equal(np.isfinite(lse[b]), finite)
+        assert np.all(lse[b][~finite] == np.inf)
+        np.testing.assert_allclose(lse[b][finite], ref[1][finite], atol=1e-5 if tol < 1e-3 else 2e-2)
+        assert rel_l2(dq[b], ref[2]) <= tol
+        assert rel_l2(dkv[b], ref[3]) <= tol
+    if sink is not None:
+        ref_dsink = sum(
+            oracle(q[b], kv[b], idx[b], sm_scale, d_v, sink,
+                   None if length is None else length[b], dout[b])[4]
+            for b in np.ndindex(*batch))
+        assert rel_l2(dsink, ref_dsink) <= max(tol, 1e-5)
+    for x in (out, lse, dq, dkv):
+        assert not np.any(np.isnan(np.asarray(x, np.float64)))
+
+
+def test_random_batched_float32():
+    rng = np.random.default_rng(0)
+    q, kv, idx = make_inputs(rng, (2, 3), 70, 50, 4, 24, 16)
+    check_against_oracle(q, kv, idx, 0.2, 16)
+
+
+@pytest.mark.parametrize("d_qk,d_v", [(24, 24), (24, 16), (20, 1)])
+def test_value_width(d_qk, d_v):
+    rng = np.random.default_rng(1)
+    q, kv, idx = make_inputs(rng, (), 33, 40, 2, d_qk, 8)
+    check_against_oracle(q, kv, idx, 0.3, d_v)
+
+
+def test_invalid_slots_of_every_kind_and_duplicates():
+    rng = np.random.default_rng(2)
+    q, kv, idx = make_inputs(rng, (2,), 40, 30, 3, 16, 12)
+    bad = np.array([-1, -123456, 30, 31, 114514, INT32_MAX, INT32_MIN], np.int32)
+    mask = rng.random(idx.shape) < 0.35
+    idx = np.where(mask, rng.choice(bad, idx.shape), idx)
+    idx[:, 5, :] = 7  # one row of duplicates: 12 slots of the same key
+    idx[:, 6, :] = -1  # an empty row
+    idx[:, 7, :] = np.where(np.arange(12) == 11, 3, -1)  # a single valid slot, last
+    check_against_oracle(q, kv, idx, 0.25, 10)
+
+
+@pytest.mark.parametrize("sink", ["finite", "neg_inf"])
+def test_attention_sink(sink):
+    rng = np.random.default_rng(3)
+    q, kv, idx = make_inputs(rng, (2,), 25, 20, 4, 16, 8)
+    idx[0, 3] = -1  # empty row with a sink: still out = 0, lse = +inf, no gradient
+    s = rng.standard_normal(4) * 2 if sink == "finite" else np.full(4, -np.inf)
+    check_against_oracle(q, kv, idx, 0.3, 16, sink=s.astype(np.float32))
+
+
+def test_sink_at_minus_inf_equals_no_sink():
+    rng = np.random.default_rng(4)
+    q, kv, idx = make_inputs(rng, (), 10, 12, 2, 8, 4)
+    a = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8)
+    b = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8, attn_sink=jnp.full((2,), -jnp.inf))
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_topk_length_with_invalid_slots_and_zero_length():
+    rng = np.random.default_rng(5)
+    q, kv, idx = make_inputs(rng, (2,), 30, 25, 2, 16, 10)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    length = rng.integers(0, 11, (2, 30)).astype(np.int32)
+    length[0, :3] = 0
+    check_against_oracle(q, kv, idx, 0.3, 12, length=length)
+
+
+def test_fewer_keys_than_slots():
+    rng = np.random.default_rng(6)
+    q, kv, _ = make_inputs(rng, (), 20, 5, 2, 8, 1)
+    idx = rng.integers(-2, 9, (20, 16)).astype(np.int32)  # S_kv = 5 < K = 16
+    check_against_oracle(q, kv, idx, 0.3, 8, sink=np.array([0.5, -1.0], np.float32))
+
+
+def test_nan_in_an_unselected_row_does_not_leak():
+    """Invalid slots are never read: a NaN kv row that no valid slot selects changes nothing."""
+    rng = np.random.default_rng(8)
+    q, kv, idx = make_inputs(rng, (), 16, 10, 2, 8, 6)
+    idx = np.where(idx == 0, 1, idx)  # row 0 is selected by no valid slot
+    idx[:, 0] = -1
+    kv_nan = kv.copy()
+    kv_nan[0] = np.nan
+    a = sparse_mla(q, kv, idx, sm_scale=0.4, d_v=8)[0]
+    b = sparse_mla(q, kv_nan, idx, sm_scale=0.4, d_v=8)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 4e-3)])
+def test_half_precision(dtype, tol):
+    rng = np.random.default_rng(9)
+    q, kv, idx = make_inputs(rng, (2,), 40, 60, 4, 32, 24)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    q, kv = np.asarray(jnp.asarray(q, dtype)), np.asarray(jnp.asarray(kv, dtype))
+    check_against_oracle(q, kv, idx, 32**-0.5, 16, sink=np.full(4, 0.3, np.float32), tol=tol)
+
+
+def test_finite_differences_float64():
+    with enable_x64(True):
+        rng = np.random.default_rng(10)
+        q, kv, idx = make_inputs(rng, (2,), 9, 7, 2, 6, 5, np.float64)
+        idx[0, 2] = -1
+        idx[1, 3, :2] = 4
+        sink = jnp.asarray(rng.standard_normal(2))
+        length = jnp.asarray(rng.integers(1, 6, (2, 9)), jnp.int32)
+
+        def f(q, kv, sink):
+            out, _ = sparse_mla(q, kv, jnp.asarray(idx), sm_scale=0.7, d_v=4, attn_sink=sink,
+                                topk_length=length)
+            return out
+
+        check_grads(f, (jnp.asarray(q), jnp.asarray(kv), sink), order=1, modes=("rev",),
+                    atol=1e-6, rtol=1e-6)
+
+
+def test_jit_vmap_and_checkpoint_agree():
+    rng = np.random.default_rng(11)
+    q, kv, idx = make_inputs(rng, (3,), 20, 16, 2, 8, 6)
+    kw = dict(sm_scale=0.3, d_v=8)
+    eager = sparse_mla(q, kv, idx, **kw)
+    jitted = jax.jit(lambda q, kv, i: sparse_mla(q, kv, i, **kw))(q, kv, idx)
+    vmapped = jax.vmap(lambda q, kv, i: sparse_mla(q, kv, i, **kw))(q, kv, idx)
+    for other in (jitted, vmapped):
+        np.testing.assert_allclose(other[0], eager[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(other[1], eager[1], rtol=1e-6, atol=1e-6)
+
+    def loss(q, kv, idx=idx):
+        return jnp.sum(jnp.sin(sparse_mla(q, kv, idx, **kw)[0]))
+
+    policy = jax.checkpoint_policies.save_only_these_names(*sparse_mla_module.RESIDUAL_NAMES)
+    g_plain = jax.grad(loss, (0, 1))(q, kv)
+    g_remat = jax.grad(jax.checkpoint(loss, policy=policy), (0, 1))(q, kv)
+    g_nothing = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1)))(q, kv)
+    g_vmap = jax.vmap(jax.grad(lambda q, kv, i: loss(q[None], kv[None], i[None]), (0, 1)))(
+        q, kv, idx)
+    for g in (g_remat, g_nothing, g_vmap):
+        for a, b in zip(g, g_plain):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_residual_names_are_saved_by_a_names_policy(capsys):
+    rng = np.random.default_rng(12)
+    q, kv, idx = make_inputs(rng, (), 8, 8, 2, 8, 4)
+    policy = jax.checkpoint_policies.save_only_these_names(*sparse_mla_module.RESIDUAL_NAMES)
+    f = jax.checkpoint(lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8)[0].sum(),
+                       policy=policy)
+    jax.ad_checkpoint.print_saved_residuals(f, q, kv)
+    saved = capsys.readouterr().out
+    assert "named 'sparse_mla_out'" in saved and "named 'sparse_mla_lse'" in saved, saved
+
+
+def test_integer_inputs_take_no_gradient():
+    rng = np.random.default_rng(13)
+    q, kv, idx = make_inputs(rng, (), 8, 8, 2, 8, 4)
+    g = jax.grad(lambda q, i: sparse_mla(q, kv, i, sm_scale=0.3, d_v=8)[0].sum(),
+                 argnums=(0, 1), allow_int=True)(q, idx)
+    assert g[1].dtype == jax.dtypes.float0
+
+
+def test_memory_is_bounded_by_query_blocks():
+    """No [S_q, K, D_qk] gather and no [S_q, H, S_kv] tensor: temporaries grow linearly in S."""
+    h, d, k = 4, 64, 256
+
+    def temp_bytes(s):
+        q = jax.ShapeDtypeStruct((s, h, d), jnp.float32)
+        kv = jax.ShapeDtypeStruct((s, d), jnp.float32)
+        idx = jax.ShapeDtypeStruct((s, k), jnp.int32)
+        loss = lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=0.1, d_v=d)[0].sum()
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(q, kv, idx).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(1024), temp_bytes(4096)
+    assert large < 4.5 * small, (small, large)  # linear (x4), not quadratic (x16)
+    assert large < 4096 * k * d * 4 / 4, large  # far below the whole-sequence gather
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        (((4, 2, 8), (6, 8), (4, 3)), {}, None, None),
+        (((4, 8), (6, 8), (4, 3)), {}, ValueError, "q must be"),
+        (((4, 2, 8), (1, 6, 8), (4, 3)), {}, ValueError, "kv must be"),
+        (((4, 2, 8), (6, 8), (1, 4, 3)), {}, ValueError, "indices must be"),
+        (((4, 2, 8), (6, 7), (4, 3)), {}, ValueError, "D_qk"),
+        (((4, 2, 8), (6, 8), (5, 3)), {}, ValueError, "S_q"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"d_v": 9}, ValueError, "d_v"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"sm_scale": None}, TypeError, "sm_scale"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"attn_sink": np.zeros(3, np.float32)}, ValueError,
+         "attn_sink"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"topk_length": np.zeros(3, np.int32)}, ValueError,
+         "topk_length"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"topk_length": np.zeros(4, np.float32)}, TypeError,
+         "topk_length"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "tpu"}, ValueError, "implementation"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "cuda"}, ValueError, "D_qk"),
+        (((4, 2, 576), (6, 576), (4, 3)), {"implementation": "cuda", "d_v": 512},
+         NotImplementedError, "cuda"),
+    ],
+)
+def test_bad_inputs_name_the_argument(args, kwargs, exc, match):
+    qs, kvs, ids = args
+    kw = {"sm_scale": 0.1, "d_v": 8, **kwargs}
+    q, kv, idx = np.ones(qs, np.float32), np.ones(kvs, np.float32), np.zeros(ids, np.int32)
+    if exc is None:
+        sparse_mla(q, kv, idx, **kw)
+        return
+    with pytest.raises(exc, match=match):
+        jax.eval_shape(lambda q, kv, i: sparse_mla(q, kv, i, **kw), q, kv, idx)
+
+
+def test_float_indices_and_mixed_dtypes_are_rejected():
+    q, kv = np.ones((4, 2, 8), np.float32), np.ones((6, 8), np.float32)
+    with pytest.raises(TypeError, match="indices"):
+        sparse_mla(q, kv, np.zeros((4, 3), np.float32), sm_scale=0.1, d_v=8)
+    with pytest.raises(TypeError, match="q and kv"):
+        sparse_mla(q, kv.astype(np.float16), np.zeros((4, 3), np.int32), sm_scale=0.1, d_v=8)
+    with pytest.raises(TypeError, match="sm_scale"):
+        sparse_mla(q, kv, np.zeros((4, 3), np.int32), d_v=8)
