@@ -1,0 +1,476 @@
+"""The lightning indexer of DeepSeek Sparse Attention: visibility, top-k selection, KL loss.
+
+Index score (DeepSeek-V3.2 paper, eq. 1; deepseek-ai/DeepSeek-V3.2-Exp ``inference/model.py``)::
+
+    I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])
+
+computed in float32 (float64 for float64 inputs). The positive scale factors of the reference
+implementations (``index_n_heads**-0.5 * index_head_dim**-0.5``) belong to the caller, inside
+``weights``.
+
+Everything is pure JAX, works under ``jit``, ``vmap`` and ``grad``, and takes any number of
+leading batch dimensions ``...``. Queries are processed in blocks (``lax.map``) so that the
+largest temporary is one block's ``[block_q, index_n_heads, S_kv]`` scores: memory grows linearly
+in the sequence length, never with ``S_q * S_kv``. The KL loss's block body is rematerialised
+(``jax.checkpoint``) so that the backward pass is bounded the same way.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+# Elements in one query block's largest temporary (~64 MiB of float32).
+BLOCK_ELEMENTS = 1 << 24
+MAX_BLOCK_Q = 128
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# --------------------------------------------------------------------------------------------
+# Visibility
+
+
+def visible_mask(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None):
+    """Which keys each query may see: causal by position, and within its own document.
+
+    Key ``s`` is visible to query ``t`` iff ``kv_positions[s] <= q_positions[t]`` and, when
+    segment ids are given, ``kv_segment_ids[s] == q_segment_ids[t]``. With packed documents, give
+    per-document positions (or global ones) together with segment ids; queries and keys may be
+    different ranges of the sequence (e.g. a context-parallel shard of queries against all keys).
+
+    This materialises the full ``[..., S_q, S_kv]`` mask: use it for small blocks. The indexer
+    ops call it one query block at a time.
+
+    Args:
+      q_positions: ``[..., S_q]`` integer positions of the queries.
+      kv_positions: ``[..., S_kv]`` integer positions of the keys, same batch dims.
+      q_segment_ids: optional ``[..., S_q]`` integer document ids of the queries.
+      kv_segment_ids: optional ``[..., S_kv]`` integer document ids of the keys; given together
+        with ``q_segment_ids``.
+
+    Returns:
+      ``[..., S_q, S_kv]`` bool.
+
+    Raises:
+      ValueError: ranks or batch dims that disagree, or only one of the segment ids given.
+      TypeError: non-integer positions or segment ids.
+    """
+    q_positions, kv_positions, q_segment_ids, kv_segment_ids = _check_positions(
+        "visible_mask", q_positions, kv_positions, q_segment_ids, kv_segment_ids, None, None
+    )
+    return _visible(q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+
+
+def _visible(q_pos, kv_pos, q_seg, kv_seg):
+    mask = kv_pos[..., None, :] <= q_pos[..., :, None]
+    if q_seg is not None:
+        mask = mask & (kv_seg[..., None, :] == q_seg[..., :, None])
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Top-k selection
+
+
+def indexer_topk(
+    q,
+    k,
+    weights,
+    *,
+    topk,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_q=None,
+):
+    """The ``topk`` visible keys of each query by lightning-indexer score.
+
+    ``I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32 (float64 for float64
+    inputs), over the keys visible to ``t`` (see :func:`visible_mask`). Keys come out by
+    descending score; equal scores (common: ReLU makes plateaus of exact zeros) are ordered by
+    ascending key index, so the result is deterministic. A row with fewer than ``topk`` visible
+    keys is padded with ``-1`` at the end; invisible keys are never chosen, whatever the scores.
+    The result is ready for :func:`jax_dsa.sparse_mla` (``-1`` marks an invalid slot) and carries
+    no gradient.
+
+    Source: DeepSeek-V3.2 paper eq. (1) and deepseek-ai/DeepSeek-V3.2-Exp ``inference/model.py``
+    (``Indexer``): scores of masked keys set to ``-inf`` before top-k.
+
+    Args:
+      q: ``[..., S_q, index_n_heads, index_head_dim]`` float indexer queries.
+      k: ``[..., S_kv, index_head_dim]`` float indexer keys (one per token, shared by the heads).
+      weights: ``[..., S_q, index_n_heads]`` float per-query head weights (scale folded in).
+      topk: number of keys per query (Python int >= 1); may exceed ``S_kv``.
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer token positions.
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
+        ids (both or neither).
+      block_q: query rows per block (Python int >= 1); ``None`` picks the largest power of two
+        <= 128 whose ``[block_q, index_n_heads, S_kv]`` scores fit :data:`BLOCK_ELEMENTS`.
+
+    Returns:
+      ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded.
+
+    Raises:
+      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``topk < 1``,
+        ``block_q < 1``, only one of the segment ids given.
+      TypeError: non-integer ``topk``/``block_q``/positions/segment ids, non-float ``q``, ``k``
+        or ``weights``.
+    """
+    name = "indexer_topk"
+    q, k, weights = (jnp.asarray(x) for x in (q, k, weights))
+    batch, s_q, h_i, s_kv = _check_indexer(name, q, k, weights)
+    q_pos, kv_pos, q_seg, kv_seg = _check_positions(
+        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
+        batch + (s_kv,),
+    )
+    topk = _check_int(name, "topk", topk)
+    if block_q is None:
+        block_q = _default_block_q(s_q, h_i * s_kv)
+    else:
+        block_q = _check_int(name, "block_q", block_q)
+
+    acc = _acc_dtype(q, k, weights)
+    q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
+    args = _flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+    k_eff = min(topk, s_kv)
+
+    def one(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
+        def block(xs):
+            qb, wb, pb, sb = xs
+            vis = _visible(pb, kv_pos, sb, kv_seg)
+            score = _dense_scores(qb, k, wb, acc)
+            # top_k orders -0.0 below +0.0: make every zero +0.0 so that zeros tie. Visible
+            # scores stay above -inf so that an invisible key never outranks a visible one.
+            score = jnp.where(score == 0, jnp.zeros((), acc), score)
+            score = jnp.where(vis, jnp.maximum(score, jnp.finfo(acc).min), -jnp.inf)
+            vals, idx = jax.lax.top_k(score, k_eff)
+            return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
+
+        out = jax.lax.map(block, _blocks_of(block_q, q, w, q_pos, q_seg))
+        return _unblock(out, s_q)
+
+    out = jax.vmap(one)(*args)
+    if topk > k_eff:
+        out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
+    return out.reshape(batch + (s_q, topk))
+
+
+# --------------------------------------------------------------------------------------------
+# KL training loss
+
+
+def indexer_kl_loss(
+    index_q,
+    index_k,
+    index_weights,
+    q,
+    kv,
+    *,
+    sm_scale,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    indices=None,
+    block_q=None,
+):
+    """The indexer's training loss: KL from the main attention's head-mean distribution.
+
+    DeepSeek-V3.2 paper §2.1. For each query row ``t`` with a non-empty support ``S_t``::
+
+        p[t, s]  = mean_h softmax_{s in S_t}(sm_scale * q[t, h] . kv[s])     (target)
+        pI[t, s] = softmax_{s in S_t}(I[t, s])                               (indexer)
+        KL_t     = sum_{s in S_t} p[t, s] * (log p[t, s] - log pI[t, s])     (natural log)
+
+    with ``I`` the index score of :func:`indexer_topk`. The loss is the mean of ``KL_t`` over
+    all rows (of all batch elements) whose support is non-empty; it is 0 when no row has one.
+    Terms with ``p = 0`` count as 0.
+
+    * Dense form (``indices=None``, the warm-up stage): ``S_t`` = every key visible to ``t``
+      (see :func:`visible_mask`).
+    * Sparse form (``indices [..., S_q, K]``): ``S_t`` = the row's slots ``j`` with
+      ``0 <= indices[t, j] < S_kv`` (``-1`` and out-of-range mark an invalid slot, as in
+      :func:`jax_dsa.sparse_mla`) whose key is visible to ``t``; duplicate indices count as
+      separate slots. Target and indexer softmax are both renormalised over ``S_t``. For
+      indices from :func:`indexer_topk` with the same positions every valid slot is visible, and
+      ``p`` is the head mean of ``sparse_mla``'s attention probabilities (no sink).
+
+    Gradients flow to ``index_q``, ``index_k`` and ``index_weights`` only. ``q`` and ``kv`` are
+    wrapped in ``stop_gradient`` (the paper's detached target: the indexer learns only from this
+    loss; give the LM loss the indexer's output only through ``indexer_topk``, which carries no
+    gradient). The per-block body is rematerialised, so the backward pass needs no
+    ``[S_q, S_kv]`` residuals.
+
+    Args:
+      index_q: ``[..., S_q, index_n_heads, index_head_dim]`` float indexer queries.
+      index_k: ``[..., S_kv, index_head_dim]`` float indexer keys.
+      index_weights: ``[..., S_q, index_n_heads]`` float head weights (scale folded in).
+      q: ``[..., S_q, H, D_qk]`` float main-attention queries (absorbed MLA form, as fed to
+        ``sparse_mla``).
+      kv: ``[..., S_kv, D_qk]`` float latent key rows, q's dtype.
+      sm_scale: the main attention's softmax scale (Python number), as given to ``sparse_mla``.
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer token positions.
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
+        ids (both or neither).
+      indices: optional ``[..., S_q, K]`` integer key rows per query (the sparse form).
+      block_q: query rows per block (Python int >= 1); ``None`` picks one from ``S_kv`` (dense)
+        or ``K`` (sparse) so that a block's temporaries fit :data:`BLOCK_ELEMENTS`.
+
+    Returns:
+      A scalar: float32, or float64 when an input is float64 (under x64).
+
+    Raises:
+      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``block_q < 1``,
+        only one of the segment ids given.
+      TypeError: ``sm_scale`` not a number; non-float tensors, ``q``/``kv`` dtypes that differ;
+        non-integer ``indices``, positions, segment ids or ``block_q``.
+    """
+    name = "indexer_kl_loss"
+    index_q, index_k, index_weights, q, kv = (
+        jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv)
+    )
+    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise TypeError(
+            f"{name}: sm_scale must be a Python number (the main attention's softmax scale), "
+            f"got {sm_scale!r}"
+        )
+    batch, s_q, h_i, s_kv = _check_indexer(
+        name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
+    )
+    nbd = len(batch)
+    if q.ndim != nbd + 3 or q.shape[:-2] != batch + (s_q,):
+        raise ValueError(
+            f"{name}: q must be [..., S_q, H, D_qk] = {batch + (s_q,)} + (H, D_qk) like index_q, "
+            f"got shape {q.shape}"
+        )
+    h, d_qk = q.shape[-2:]
+    if kv.shape != batch + (s_kv, d_qk):
+        raise ValueError(
+            f"{name}: kv must be [..., S_kv, D_qk] = {batch + (s_kv, d_qk)}, got shape {kv.shape}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
+        raise TypeError(f"{name}: q and kv must share one float dtype, got {q.dtype}, {kv.dtype}")
+    q_pos, kv_pos, q_seg, kv_seg = _check_positions(
+        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
+        batch + (s_kv,),
+    )
+    if indices is not None:
+        indices = jnp.asarray(indices)
+        if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,):
+            raise ValueError(
+                f"{name}: indices must be [..., S_q, K] = {batch + (s_q,)} + (K,), got shape "
+                f"{indices.shape}"
+            )
+        if indices.shape[-1] < 1:
+            raise ValueError(f"{name}: indices must have at least one slot (K >= 1)")
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"{name}: indices must be an integer array, got {indices.dtype}")
+    if block_q is None:
+        d_i = index_q.shape[-1]
+        if indices is None:
+            per_row = (h_i + h) * s_kv
+        else:
+            per_row = indices.shape[-1] * (h_i + h + d_i + d_qk)
+        block_q = _default_block_q(s_q, per_row)
+    else:
+        block_q = _check_int(name, "block_q", block_q)
+
+    acc = _acc_dtype(index_q, index_k, index_weights, q, kv)
+    q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
+    scale = float(sm_scale)
+    nb = 1
+    for n in batch:
+        nb *= n
+    args = _flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
+    q3 = q.reshape((nb, s_q, h, d_qk))
+    kv3 = kv.reshape((nb, s_kv, d_qk))
+    idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
+
+    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
+        row_ok = jnp.ones((s_q,), jnp.bool_)
+
+        def block(xs):
+            iqb, iwb, pb, sb, qb, ib, okb = xs
+            if ib is None:
+                support = _visible(pb, kv_pos, sb, kv_seg)
+                score = _dense_scores(iqb, ik, iwb, acc)
+                logits = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(scale, acc)
+            else:
+                valid = (ib >= 0) & (ib < s_kv)
+                safe = jnp.where(valid, ib, 0)
+                support = valid & (kv_pos[safe] <= pb[:, None])
+                if sb is not None:
+                    support = support & (kv_seg[safe] == sb[:, None])
+                score = _sparse_scores(iqb, ik[safe], iwb, acc)
+                logits = _einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
+            support = support & okb[:, None]
+            log_pi = _masked_log_softmax(score, support)
+            log_p_h = _masked_log_softmax(logits, support[:, None, :])
+            # log of the head mean, without leaving log space (no underflow to log 0).
+            log_p = jax.nn.logsumexp(log_p_h, axis=1) - jnp.log(jnp.asarray(h, acc))
+            p = jnp.where(support, jnp.exp(log_p), 0)
+            kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
+            has = jnp.any(support, axis=-1)
+            return jnp.sum(jnp.where(has, kl, 0)), jnp.sum(has.astype(jnp.int32))
+
+        xs = _blocks_of(block_q, iq, iw, q_pos, q_seg, q, idx, row_ok)
+        kl, count = jax.lax.map(jax.checkpoint(block), xs)
+        return jnp.sum(kl), jnp.sum(count)
+
+    kl, count = jax.vmap(one)(*args, q3, kv3, idx3)
+    kl, count = jnp.sum(kl), jnp.sum(count)
+    return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def _einsum(spec, a, b, acc):
+    # HIGHEST: float32 inputs must not be rounded to TF32 on GPUs; 16-bit inputs multiply exactly.
+    return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=acc)
+
+
+def _dense_scores(qb, k, wb, acc):
+    """``[B, H_I, D]``, ``[S_kv, D]``, ``[B, H_I]`` -> ``[B, S_kv]`` index scores."""
+    dots = _einsum("qhd,sd->qhs", qb, k, acc)
+    return jnp.sum(jax.nn.relu(dots) * wb.astype(acc)[:, :, None], axis=1)
+
+
+def _sparse_scores(qb, rows, wb, acc):
+    """``[B, H_I, D]``, gathered ``[B, K, D]``, ``[B, H_I]`` -> ``[B, K]`` index scores."""
+    dots = _einsum("qhd,qkd->qhk", qb, rows, acc)
+    return jnp.sum(jax.nn.relu(dots) * wb.astype(acc)[:, :, None], axis=1)
+
+
+def _masked_log_softmax(x, mask):
+    """Log-softmax over the last axis restricted to ``mask``; 0 outside it and on empty rows."""
+    mask = jnp.broadcast_to(mask, x.shape)
+    m = jnp.max(jnp.where(mask, x, -jnp.inf), axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
+    z = jnp.where(mask, x - m, 0)
+    total = jnp.sum(jnp.where(mask, jnp.exp(z), 0), axis=-1, keepdims=True)
+    lse = jnp.log(jnp.where(total > 0, total, 1))
+    return jnp.where(mask, z - lse, 0)
+
+
+def _acc_dtype(*xs):
+    return jnp.promote_types(jnp.result_type(*(x.dtype for x in xs)), jnp.float32)
+
+
+def _default_block_q(s_q, per_row):
+    """Largest power of two <= MAX_BLOCK_Q with ``block * per_row <= BLOCK_ELEMENTS``, no more
+    than the smallest power of two covering ``s_q``."""
+    block = MAX_BLOCK_Q
+    while block > 1 and block * per_row > BLOCK_ELEMENTS:
+        block //= 2
+    while block > 1 and block // 2 >= s_q:
+        block //= 2
+    return block
+
+
+def _flatten_batch(batch, q, k, w, q_pos, kv_pos, q_seg, kv_seg):
+    nb = 1
+    for n in batch:
+        nb *= n
+    nbd = len(batch)
+
+    def flat(x):
+        return None if x is None else x.reshape((nb,) + x.shape[nbd:])
+
+    return tuple(flat(x) for x in (q, k, w, q_pos, kv_pos, q_seg, kv_seg))
+
+
+def _blocks_of(block_q, *xs):
+    """Each ``[S_q, ...]`` array -> ``[n_blocks, block_q, ...]``; ``None`` stays ``None``.
+
+    Padding rows are zeros (``False`` for booleans, so a row mask drops them from reductions).
+    """
+    out = []
+    for x in xs:
+        if x is None:
+            out.append(None)
+            continue
+        s = x.shape[0]
+        n = -(-s // block_q)
+        pad = n * block_q - s
+        if pad:
+            x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        out.append(x.reshape((n, block_q) + x.shape[1:]))
+    return tuple(out)
+
+
+def _unblock(x, s):
+    return x.reshape((-1,) + x.shape[2:])[:s]
+
+
+def _check_int(name, arg, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: {arg} must be a Python int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: {arg} must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_indexer(name, q, k, weights, names=("q", "k", "weights")):
+    nq, nk, nw = names
+    if q.ndim < 3:
+        raise ValueError(
+            f"{name}: {nq} must be [..., S_q, index_n_heads, index_head_dim], got shape {q.shape}"
+        )
+    batch = q.shape[:-3]
+    s_q, h_i, d_i = q.shape[-3:]
+    if k.ndim != len(batch) + 2 or k.shape[:-2] != batch or k.shape[-1] != d_i:
+        raise ValueError(
+            f"{name}: {nk} must be [..., S_kv, index_head_dim] = {batch} + (S_kv, {d_i}) to match "
+            f"{nq} {q.shape}, got shape {k.shape}"
+        )
+    s_kv = k.shape[-2]
+    if s_kv < 1:
+        raise ValueError(f"{name}: {nk} must have at least one key row (S_kv >= 1)")
+    if weights.shape != batch + (s_q, h_i):
+        raise ValueError(
+            f"{name}: {nw} must be [..., S_q, index_n_heads] = {batch + (s_q, h_i)}, got shape "
+            f"{weights.shape}"
+        )
+    for arg, x in zip(names, (q, k, weights)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name}: {arg} must be a float array, got {x.dtype}")
+    return batch, s_q, h_i, s_kv
+
+
+def _check_positions(name, q_pos, kv_pos, q_seg, kv_seg, q_shape, kv_shape):
+    """Validates positions and segment ids; ``q_shape``/``kv_shape`` None = only consistent."""
+    if q_pos is None or kv_pos is None:
+        raise TypeError(f"{name}: q_positions and kv_positions are required")
+    q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError(f"{name}: give both q_segment_ids and kv_segment_ids, or neither")
+    if q_seg is not None:
+        q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
+    if q_shape is None:
+        if q_pos.ndim < 1:
+            raise ValueError(f"{name}: q_positions must be [..., S_q], got shape {q_pos.shape}")
+        if kv_pos.ndim != q_pos.ndim or kv_pos.shape[:-1] != q_pos.shape[:-1]:
+            raise ValueError(
+                f"{name}: kv_positions must be [..., S_kv] with q_positions' batch dims "
+                f"{q_pos.shape[:-1]}, got shape {kv_pos.shape}"
+            )
+        q_shape, kv_shape = q_pos.shape, kv_pos.shape
+    for arg, x, shape in (
+        ("q_positions", q_pos, q_shape),
+        ("kv_positions", kv_pos, kv_shape),
+        ("q_segment_ids", q_seg, q_shape),
+        ("kv_segment_ids", kv_seg, kv_shape),
+    ):
+        if x is None:
+            continue
+        if x.shape != shape:
+            raise ValueError(f"{name}: {arg} must have shape {shape}, got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
+    return q_pos, kv_pos, q_seg, kv_seg
