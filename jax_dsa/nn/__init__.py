@@ -1,0 +1,27 @@
+"""Flax NNX layers for DSA models (GLM-5 / GLM-5.2 / DeepSeek V3.2) and a small decoder LM."""
+
+from jax_dsa.nn.attention import ATTENTION_MODES, DSAAttention
+from jax_dsa.nn.indexer import Indexer
+from jax_dsa.nn.layers import LOGICAL_AXES, Embed, LayerNorm, Linear, RMSNorm
+from jax_dsa.nn.mlp import MLP
+from jax_dsa.nn.model import DecoderLayer, DSALanguageModel
+from jax_dsa.nn.rope import apply_rope, inv_frequencies, rope_cos_sin
+from jax_dsa.nn.slots import dense_indices
+
+__all__ = [
+    "ATTENTION_MODES",
+    "DSAAttention",
+    "DSALanguageModel",
+    "DecoderLayer",
+    "Embed",
+    "Indexer",
+    "LOGICAL_AXES",
+    "LayerNorm",
+    "Linear",
+    "MLP",
+    "RMSNorm",
+    "apply_rope",
+    "dense_indices",
+    "inv_frequencies",
+    "rope_cos_sin",
+]

@@ -1,0 +1,149 @@
+"""A small decoder-only language model with DSA attention (pre-norm blocks, SwiGLU MLP).
+
+Structure and parameter names follow transformers' ``GlmMoeDsaForCausalLM`` /
+``DeepseekV32ForCausalLM`` (``embed_tokens``, ``layers.N.input_layernorm``,
+``layers.N.self_attn``, ``layers.N.post_attention_layernorm``, ``layers.N.mlp``, ``norm``,
+``lm_head``), except that every layer has a dense SwiGLU MLP (no MoE) and there is no MTP head.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_dsa.configs import DSAConfig
+from jax_dsa.nn.attention import ATTENTION_MODES, DSAAttention, check_positions
+from jax_dsa.nn.layers import Embed, Linear, RMSNorm
+from jax_dsa.nn.mlp import MLP
+from jax_dsa.nn.slots import dense_indices
+
+
+class DecoderLayer(nnx.Module):
+    """``h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``."""
+
+    def __init__(
+        self, config: DSAConfig, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        c = config
+        norm_kw = dict(eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, **norm_kw)
+        self.self_attn = DSAAttention(
+            c, layer_idx, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm_kw)
+        self.mlp = MLP(
+            c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+            init_std=c.initializer_range,
+        )
+
+    def __call__(self, x, positions, segment_ids, **attn_kwargs):
+        """``x [B, S, hidden]`` -> ``(x [B, S, hidden], attention aux)``; see
+        :meth:`jax_dsa.nn.attention.DSAAttention.__call__` for the keyword arguments."""
+        a, aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, **attn_kwargs)
+        x = x + a.astype(x.dtype)
+        x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
+        return x, aux
+
+
+class DSALanguageModel(nnx.Module):
+    """Decoder-only LM: embeddings, ``num_hidden_layers`` DSA blocks, final RMSNorm, LM head.
+
+    Args:
+      config: a :class:`~jax_dsa.configs.DSAConfig` (e.g. ``get_config("glm5-tiny")``).
+      rngs: parameter RNG (``nnx.Rngs(0)``).
+      dtype: compute dtype of activations and matmuls (``float32`` default, ``bfloat16``
+        optional); ``param_dtype``: storage dtype of the parameters.
+    """
+
+    def __init__(
+        self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
+    ):
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embed(
+            c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+            init_std=c.initializer_range,
+        )
+        self.layers = nnx.List([
+            DecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            for i in range(c.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(
+            c.hidden_size, eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype
+        )
+        self.lm_head = Linear(
+            c.hidden_size, c.vocab_size, axes=("vocab", "embed"), rngs=rngs, dtype=dtype,
+            param_dtype=param_dtype, init_std=c.initializer_range,
+        )
+
+    def __call__(
+        self,
+        input_ids,
+        positions=None,
+        segment_ids=None,
+        *,
+        attention_mode: str = "sparse",
+        implementation: str | None = None,
+        compute_indexer_loss: bool = True,
+        return_indices: bool = False,
+    ):
+        """Next-token logits and the indexer loss.
+
+        Args:
+          input_ids: ``[B, S]`` int32 token ids in ``[0, vocab_size)``.
+          positions: ``[B, S]`` integer per-document positions (default ``arange(S)`` per row).
+          segment_ids: ``[B, S]`` integer document ids for packed rows (default: one document).
+          attention_mode: ``"sparse"`` (indexer top-k; ``"shared"`` layers reuse the previous
+            full layer's) or ``"dense"`` (every visible key: the dense warm-up stage).
+          implementation: ``sparse_mla`` implementation (``None`` = best available).
+          compute_indexer_loss: compute the per-layer indexer KL losses.
+          return_indices: also return each layer's slot lists in ``aux["indices"]``.
+
+        Returns:
+          ``(logits [B, S, vocab_size] float32, aux)``; ``aux["indexer_loss"]`` is the float32
+          mean of the KL losses of the layers that own an indexer (0 when not computed). Its
+          gradients reach only indexer parameters; the logits' gradients never do.
+
+        Raises:
+          ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
+          TypeError: non-integer ``input_ids``.
+        """
+        c = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {input_ids.shape}")
+        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise TypeError(f"input_ids must be an integer array, got {input_ids.dtype}")
+        if attention_mode not in ATTENTION_MODES:
+            raise ValueError(
+                f"attention_mode must be one of {ATTENTION_MODES}, got {attention_mode!r}"
+            )
+        b, s = input_ids.shape
+        positions, segment_ids = check_positions(positions, segment_ids, b, s)
+
+        x = self.embed_tokens(input_ids)
+        dense = None
+        if attention_mode == "dense":  # one slot list for every layer
+            dense = dense_indices(positions, positions, segment_ids, segment_ids)
+        shared = None
+        losses, all_indices = [], []
+        for i, layer in enumerate(self.layers):
+            full = c.has_indexer(i)
+            indices = dense if dense is not None else (None if full else shared)
+            x, aux = layer(
+                x, positions, segment_ids, attention_mode=attention_mode, indices=indices,
+                implementation=implementation, compute_indexer_loss=compute_indexer_loss,
+            )
+            if full:
+                shared = aux["indices"]
+            if aux["indexer_loss"] is not None:
+                losses.append(aux["indexer_loss"])
+            all_indices.append(aux["indices"])
+        x = self.norm(x)
+        logits = self.lm_head(x).astype(jnp.float32)
+        indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
+        out_aux = {"indexer_loss": indexer_loss}
+        if return_indices:
+            out_aux["indices"] = tuple(all_indices)
+        return logits, out_aux

@@ -1,0 +1,35 @@
+"""Slot lists for ``sparse_mla`` that do not come from the indexer: the dense warm-up list.
+
+Dense warm-up (DeepSeek-V3.2 paper §2.1) keeps full causal attention; routing it through the
+same ``sparse_mla`` op with every visible key as a slot keeps one code path (and one kernel) for
+both training stages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer import visible_mask
+
+
+def dense_indices(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None):
+    """Every key visible to each query, ascending, ``-1`` padded: ``[..., S_q, S_kv]`` int32.
+
+    Visibility is :func:`jax_dsa.ops.indexer.visible_mask` (``kv_pos <= q_pos``, same segment).
+    Valid slots come first (a prefix, as the cuDNN backward's ``topk_length`` convention wants),
+    so ``count(indices >= 0)`` is the row's slot count. Costs a sort of ``[S_q, S_kv]`` keys:
+    meant for the warm-up stage and tests, where attention is dense anyway.
+
+    Args:
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer positions.
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` document ids.
+
+    Returns:
+      ``[..., S_q, S_kv]`` int32 key row ids with ``-1`` for padding. No gradient.
+    """
+    vis = visible_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    s_kv = vis.shape[-1]
+    key = jnp.where(vis, jnp.arange(s_kv, dtype=jnp.int32), s_kv)
+    key = jnp.sort(key, axis=-1)
+    return jax.lax.stop_gradient(jnp.where(key == s_kv, -1, key).astype(jnp.int32))
