@@ -14,6 +14,7 @@ Importing this module never fails: a module that cannot be loaded is recorded in
 from __future__ import annotations
 
 import importlib
+import os
 
 import jax
 
@@ -22,14 +23,14 @@ LOAD_ERRORS: dict[str, str] = {}
 _MODULES: dict[str, object] = {}
 
 
-def _load(name: str, platform: str):
+def _load(name: str, platform: str, **registration_options):
     try:
         mod = importlib.import_module(f"jax_dsa.{name}")
     except ImportError as e:  # not built, or built for another Python/ABI
         LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
         return None
     try:
-        for target, capsule in mod.registrations().items():
+        for target, capsule in mod.registrations(**registration_options).items():
             jax.ffi.register_ffi_target(target, capsule, platform=platform, api_version=1)
     except Exception as e:  # noqa: BLE001 - recorded and reported by `available`/`require`
         LOAD_ERRORS[name] = f"registering its FFI targets failed: {type(e).__name__}: {e}"
@@ -40,7 +41,8 @@ def _load(name: str, platform: str):
 
 cpu = _load("_cpu", "cpu")
 # CUDA targets may be registered without a GPU: jaxlib queues them until a CUDA plugin loads.
-cuda = _load("_cuda", "CUDA")
+# JAX_DSA_CUDA_GRAPHS=0 registers the backward without the command-buffer trait (A/B checks).
+cuda = _load("_cuda", "CUDA", graphs=os.environ.get("JAX_DSA_CUDA_GRAPHS", "1") != "0")
 
 
 def available() -> tuple[str, ...]:

@@ -49,6 +49,11 @@ if changed; then
      ! printf '3.25\n%s\n' "${cmake_ok##* }" | sort -CV; then
     pip_q cmake  # no CMake >= 3.25 on PATH: use PyPI's
   fi
+  # CUDA module (JAX_DSA_CUDA=AUTO|ON|OFF, default AUTO): its build step needs the cuDNN frontend
+  # and the CuTe DSL compiler from PyPI, installed only when nvcc is there to use them.
+  if [ "${JAX_DSA_CUDA:-AUTO}" != OFF ] && command -v nvcc >/dev/null 2>&1; then
+    pip_q -r scripts/cuda-build-requirements.txt
+  fi
   pip_q --no-build-isolation -e ".[test]"
   touch "$stamp"
 fi

@@ -177,11 +177,17 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
             raise TypeError(
                 f"sparse_mla: topk_length must be an integer array, got {topk_length.dtype}"
             )
-    impl = implementation or _default_implementation()
+    impl = implementation or _default_implementation(q.dtype, h, d_qk, d_v, indices.shape[-1])
     if impl == "cuda" and d_qk not in KERNEL_D_QK:
         raise ValueError(
             f"sparse_mla: implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {d_qk}"
         )
+    if impl == "cuda" and "cuda" in AVAILABLE:
+        why = sparse_mla_ffi.cuda_support_error(q.dtype, h, d_qk, d_v, indices.shape[-1])
+        if why is None:
+            why = _cuda_device_error()
+        if why:
+            raise ValueError("sparse_mla: " + why)
     if impl not in AVAILABLE:
         why = _native.LOAD_ERRORS.get("_" + impl, "not built")
         raise NotImplementedError(
@@ -191,10 +197,24 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
     return impl
 
 
-def _default_implementation():
+def _cuda_device_error():
+    """Why the default GPU cannot run the "cuda" backward (None if it can, or if there is none)."""
+    if jax.default_backend() != "gpu":
+        return None  # e.g. lowering for CUDA on a host without a GPU
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or not str(cc).startswith("9."):
+        return (f"implementation='cuda' runs on SM90 GPUs (H100/H200); this GPU has compute "
+                f"capability {cc} (SM100/SM103 kernels are not built; SM120 is unsupported)")
+    return None
+
+
+def _default_implementation(dtype, h, d_qk, d_v, k):
     backend = jax.default_backend()
     if backend == "cpu" and "cpu" in AVAILABLE and CPU_PREFERRED_ON_HOST:
         return "cpu"
+    if (backend == "gpu" and "cuda" in AVAILABLE and _cuda_device_error() is None
+            and sparse_mla_ffi.cuda_support_error(dtype, h, d_qk, d_v, k) is None):
+        return "cuda"
     return "xla"
 
 
@@ -225,6 +245,10 @@ def _bwd_rule(config, residuals, cotangents):
     q, kv, indices, sink, lengths, out, lse = residuals
     dout, _ = cotangents  # lse takes no gradient (see the docstring)
     sm_scale, d_v, impl, block_q = config
+    if impl == "cuda":
+        dq, dkv, dsink = sparse_mla_ffi.cuda_backward(
+            q, kv, indices, sink, lengths, out, lse, dout, sm_scale=sm_scale, d_v=d_v)
+        return dq.astype(q.dtype), dkv.astype(kv.dtype), None, dsink.astype(sink.dtype), None
     if impl == "cpu":
         dq, dkv, dsink = sparse_mla_ffi.cpu_backward(
             q, kv, indices, sink, lengths, out, lse, dout, sm_scale=sm_scale, d_v=d_v)
