@@ -130,6 +130,25 @@ def handler_call(p):
     return f, (p["q"], p["kv"], p["out"], p["dout"], p["lse"], p["sink"], p["idx"], p["length"])
 
 
+def handler_chain(p, n):
+    """n back-to-back handler calls in one jitted program (side-effecting, so none is merged or
+    dropped): per-call time without the per-dispatch host cost."""
+    s, h, d = p["q"].shape
+    ws = sparse_mla_ffi.cuda_workspace_bytes(s, s, h, d)
+    call = jax.ffi.ffi_call(sparse_mla_ffi.CUDA_BWD_TARGET, (
+        jax.ShapeDtypeStruct((s, h, d), BF), jax.ShapeDtypeStruct((s, d), BF),
+        jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+        has_side_effect=True)
+
+    def f(*args):
+        r = None
+        for _ in range(n):
+            r = call(*args, sm_scale=np.float32(p["scale"]))
+        return r[:3]
+
+    return jax.jit(f)
+
+
 def wall(f, args, iters, warmup=5):
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
@@ -175,16 +194,22 @@ def speed(rng, iters, sizes):
                 q[None], kv[None], i[None], a, l[None], o[None], lse[None], do[None],
                 sm_scale=p["scale"], d_v=512))
             t_full = wall(full, (p["q"], p["kv"], p["idx"], p["sink"], p["length"], p["out"], p["lse"], p["dout"]), iters)
+            chain = 20
+            t_chain = wall(handler_chain(p, chain), args, max(5, iters // chain)) / chain
             t_raw_ev, t_raw_wall, raw_out = raw_bench(p, iters)
             h_out = f(*args)
-            same = all(bool(jnp.all(a == b)) for a, b in zip(h_out[:2], raw_out[:2]))
+            # Not bitwise: the kernel accumulates dkv (and dq) with atomics in run-dependent order.
+            same = [rel_l2(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+                    for a, b in zip(h_out[:2], raw_out[:2])]
             flops = 10 * s * k * h * d
             row = dict(shape=name, s_q=s, s_kv=s, h=h, d_qk=d, d_v=512, k=k, sink=sink,
                        handler_ms=t_handler, backward_with_glue_ms=t_full,
                        raw_harness_event_ms=t_raw_ev, raw_harness_wall_ms=t_raw_wall,
                        handler_overhead_vs_raw_wall=t_handler / t_raw_wall - 1,
+                       handler_chained_ms=t_chain,
+                       handler_chained_overhead_vs_raw_event=t_chain / t_raw_ev - 1,
                        tflops_handler=flops / t_handler / 1e9, tflops_raw_event=flops / t_raw_ev / 1e9,
-                       handler_and_raw_bitwise_equal=same, iters=iters)
+                       handler_vs_raw_rel_l2_dq_dkv=same, iters=iters)
             print(json.dumps(row), flush=True)
             rows.append(row)
             del p, args, f
@@ -215,6 +240,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sizes", default="16384,32768")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print("devices", jax.devices(), "compute_capability", getattr(dev, "compute_capability", None),
@@ -227,12 +253,12 @@ def main():
                   flop_count="10 * S_q * K * H * D_qk per backward",
                   timing="median of --iters runs after 5 warm-ups")
     result["first_call"] = first_call(rng)
-    result["accuracy"] = accuracy(rng)
+    result["accuracy"] = [] if args.skip_accuracy else accuracy(rng)
     if not args.skip_speed:
         result["speed"] = speed(rng, args.iters, [int(x) for x in args.sizes.split(",")])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("ACCURACY_OK", all(r["ok"] for r in result["accuracy"]))
+    print("ACCURACY_OK", all(r["ok"] for r in result["accuracy"]) if result["accuracy"] else "skipped")
 
 
 if __name__ == "__main__":
