@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv with Python 3.12+ and installs jax_dsa with its test tools, pinned by
-# constraints.txt. Idempotent: re-running only re-installs when pyproject.toml or
-# constraints.txt changed.
+# Creates .venv with Python 3.12+ and installs jax_dsa (editable, with its compiled FFI modules)
+# and its test tools, pinned by constraints.txt. Idempotent: re-running re-installs only when the
+# build inputs (pyproject.toml, constraints.txt, CMakeLists.txt, ffi/) changed.
+# JAX_DSA_CUDA=OFF skips the CUDA module; ON makes a missing toolchain an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,8 +35,25 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.jax_dsa-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+changed() {  # anything the install depends on newer than the stamp?
+  [ ! -f "$stamp" ] && return 0
+  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ]
+}
+if changed; then
+  pip_q() { .venv/bin/python -m pip install -q -c constraints.txt "$@"; }
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  # The native layer is built with the venv's own build tools (no build isolation), so the FFI
+  # headers are those of the pinned jaxlib 0.11.2 and rebuilds need no downloads.
+  pip_q scikit-build-core nanobind jaxlib
+  if ! cmake_ok=$(cmake --version 2>/dev/null | head -1) ||
+     ! printf '3.25\n%s\n' "${cmake_ok##* }" | sort -CV; then
+    pip_q cmake  # no CMake >= 3.25 on PATH: use PyPI's
+  fi
+  # CUDA module (JAX_DSA_CUDA=AUTO|ON|OFF, default AUTO): its build step needs the cuDNN frontend
+  # and the CuTe DSL compiler from PyPI, installed only when nvcc is there to use them.
+  if [ "${JAX_DSA_CUDA:-AUTO}" != OFF ] && command -v nvcc >/dev/null 2>&1; then
+    pip_q -r scripts/cuda-build-requirements.txt
+  fi
+  pip_q --no-build-isolation -e ".[test]"
   touch "$stamp"
 fi

@@ -10,6 +10,10 @@ from jax.test_util import check_grads
 from jax_dsa import sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 
+# Every test that takes `impl` runs once per host implementation this install has built ("cpu"
+# is the C++ XLA FFI handler; tests/test_native.py fails when it was not built).
+HOST_IMPLS = [i for i in ("xla", "cpu") if i in sparse_mla_module.AVAILABLE]
+
 INT32_MAX = np.iinfo(np.int32).max
 INT32_MIN = np.iinfo(np.int32).min
 
@@ -69,10 +73,15 @@ def rel_l2(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=1e-5):
+@pytest.fixture(params=HOST_IMPLS)
+def impl(request):
+    return request.param
+
+
+def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=1e-5, impl=None):
     rng = np.random.default_rng(7)
     dout = rng.standard_normal(q.shape[:-1] + (d_v,)).astype(q.dtype)
-    kw = dict(sm_scale=sm_scale, d_v=d_v)
+    kw = dict(sm_scale=sm_scale, d_v=d_v, implementation=impl)
     if sink is not None:
         kw["attn_sink"] = jnp.asarray(sink, jnp.float32)
     if length is not None:
@@ -100,20 +109,20 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
         assert not np.any(np.isnan(np.asarray(x, np.float64)))
 
 
-def test_random_batched_float32():
+def test_random_batched_float32(impl):
     rng = np.random.default_rng(0)
     q, kv, idx = make_inputs(rng, (2, 3), 70, 50, 4, 24, 16)
-    check_against_oracle(q, kv, idx, 0.2, 16)
+    check_against_oracle(q, kv, idx, 0.2, 16, impl=impl)
 
 
 @pytest.mark.parametrize("d_qk,d_v", [(24, 24), (24, 16), (20, 1)])
-def test_value_width(d_qk, d_v):
+def test_value_width(d_qk, d_v, impl):
     rng = np.random.default_rng(1)
     q, kv, idx = make_inputs(rng, (), 33, 40, 2, d_qk, 8)
-    check_against_oracle(q, kv, idx, 0.3, d_v)
+    check_against_oracle(q, kv, idx, 0.3, d_v, impl=impl)
 
 
-def test_invalid_slots_of_every_kind_and_duplicates():
+def test_invalid_slots_of_every_kind_and_duplicates(impl):
     rng = np.random.default_rng(2)
     q, kv, idx = make_inputs(rng, (2,), 40, 30, 3, 16, 12)
     bad = np.array([-1, -123456, 30, 31, 114514, INT32_MAX, INT32_MIN], np.int32)
@@ -122,44 +131,45 @@ def test_invalid_slots_of_every_kind_and_duplicates():
     idx[:, 5, :] = 7  # one row of duplicates: 12 slots of the same key
     idx[:, 6, :] = -1  # an empty row
     idx[:, 7, :] = np.where(np.arange(12) == 11, 3, -1)  # a single valid slot, last
-    check_against_oracle(q, kv, idx, 0.25, 10)
+    check_against_oracle(q, kv, idx, 0.25, 10, impl=impl)
 
 
 @pytest.mark.parametrize("sink", ["finite", "neg_inf"])
-def test_attention_sink(sink):
+def test_attention_sink(sink, impl):
     rng = np.random.default_rng(3)
     q, kv, idx = make_inputs(rng, (2,), 25, 20, 4, 16, 8)
     idx[0, 3] = -1  # empty row with a sink: still out = 0, lse = +inf, no gradient
     s = rng.standard_normal(4) * 2 if sink == "finite" else np.full(4, -np.inf)
-    check_against_oracle(q, kv, idx, 0.3, 16, sink=s.astype(np.float32))
+    check_against_oracle(q, kv, idx, 0.3, 16, sink=s.astype(np.float32), impl=impl)
 
 
-def test_sink_at_minus_inf_equals_no_sink():
+def test_sink_at_minus_inf_equals_no_sink(impl):
     rng = np.random.default_rng(4)
     q, kv, idx = make_inputs(rng, (), 10, 12, 2, 8, 4)
-    a = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8)
-    b = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8, attn_sink=jnp.full((2,), -jnp.inf))
+    a = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8, implementation=impl)
+    b = sparse_mla(q, kv, idx, sm_scale=0.5, d_v=8, attn_sink=jnp.full((2,), -jnp.inf),
+                   implementation=impl)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
 
 
-def test_topk_length_with_invalid_slots_and_zero_length():
+def test_topk_length_with_invalid_slots_and_zero_length(impl):
     rng = np.random.default_rng(5)
     q, kv, idx = make_inputs(rng, (2,), 30, 25, 2, 16, 10)
     idx[rng.random(idx.shape) < 0.2] = -1
     length = rng.integers(0, 11, (2, 30)).astype(np.int32)
     length[0, :3] = 0
-    check_against_oracle(q, kv, idx, 0.3, 12, length=length)
+    check_against_oracle(q, kv, idx, 0.3, 12, length=length, impl=impl)
 
 
-def test_fewer_keys_than_slots():
+def test_fewer_keys_than_slots(impl):
     rng = np.random.default_rng(6)
     q, kv, _ = make_inputs(rng, (), 20, 5, 2, 8, 1)
     idx = rng.integers(-2, 9, (20, 16)).astype(np.int32)  # S_kv = 5 < K = 16
-    check_against_oracle(q, kv, idx, 0.3, 8, sink=np.array([0.5, -1.0], np.float32))
+    check_against_oracle(q, kv, idx, 0.3, 8, sink=np.array([0.5, -1.0], np.float32), impl=impl)
 
 
-def test_nan_in_an_unselected_row_does_not_leak():
+def test_nan_in_an_unselected_row_does_not_leak(impl):
     """Invalid slots are never read: a NaN kv row that no valid slot selects changes nothing."""
     rng = np.random.default_rng(8)
     q, kv, idx = make_inputs(rng, (), 16, 10, 2, 8, 6)
@@ -167,21 +177,22 @@ def test_nan_in_an_unselected_row_does_not_leak():
     idx[:, 0] = -1
     kv_nan = kv.copy()
     kv_nan[0] = np.nan
-    a = sparse_mla(q, kv, idx, sm_scale=0.4, d_v=8)[0]
-    b = sparse_mla(q, kv_nan, idx, sm_scale=0.4, d_v=8)[0]
+    a = sparse_mla(q, kv, idx, sm_scale=0.4, d_v=8, implementation=impl)[0]
+    b = sparse_mla(q, kv_nan, idx, sm_scale=0.4, d_v=8, implementation=impl)[0]
     np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 4e-3)])
-def test_half_precision(dtype, tol):
+def test_half_precision(dtype, tol, impl):
     rng = np.random.default_rng(9)
     q, kv, idx = make_inputs(rng, (2,), 40, 60, 4, 32, 24)
     idx[rng.random(idx.shape) < 0.2] = -1
     q, kv = np.asarray(jnp.asarray(q, dtype)), np.asarray(jnp.asarray(kv, dtype))
-    check_against_oracle(q, kv, idx, 32**-0.5, 16, sink=np.full(4, 0.3, np.float32), tol=tol)
+    check_against_oracle(q, kv, idx, 32**-0.5, 16, sink=np.full(4, 0.3, np.float32), tol=tol,
+                         impl=impl)
 
 
-def test_finite_differences_float64():
+def test_finite_differences_float64(impl):
     with enable_x64(True):
         rng = np.random.default_rng(10)
         q, kv, idx = make_inputs(rng, (2,), 9, 7, 2, 6, 5, np.float64)
@@ -192,17 +203,17 @@ def test_finite_differences_float64():
 
         def f(q, kv, sink):
             out, _ = sparse_mla(q, kv, jnp.asarray(idx), sm_scale=0.7, d_v=4, attn_sink=sink,
-                                topk_length=length)
+                                topk_length=length, implementation=impl)
             return out
 
         check_grads(f, (jnp.asarray(q), jnp.asarray(kv), sink), order=1, modes=("rev",),
                     atol=1e-6, rtol=1e-6)
 
 
-def test_jit_vmap_and_checkpoint_agree():
+def test_jit_vmap_and_checkpoint_agree(impl):
     rng = np.random.default_rng(11)
     q, kv, idx = make_inputs(rng, (3,), 20, 16, 2, 8, 6)
-    kw = dict(sm_scale=0.3, d_v=8)
+    kw = dict(sm_scale=0.3, d_v=8, implementation=impl)
     eager = sparse_mla(q, kv, idx, **kw)
     jitted = jax.jit(lambda q, kv, i: sparse_mla(q, kv, i, **kw))(q, kv, idx)
     vmapped = jax.vmap(lambda q, kv, i: sparse_mla(q, kv, i, **kw))(q, kv, idx)
@@ -224,21 +235,23 @@ def test_jit_vmap_and_checkpoint_agree():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_residual_names_are_saved_by_a_names_policy(capsys):
+def test_residual_names_are_saved_by_a_names_policy(capsys, impl):
     rng = np.random.default_rng(12)
     q, kv, idx = make_inputs(rng, (), 8, 8, 2, 8, 4)
     policy = jax.checkpoint_policies.save_only_these_names(*sparse_mla_module.RESIDUAL_NAMES)
-    f = jax.checkpoint(lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8)[0].sum(),
-                       policy=policy)
+    f = jax.checkpoint(
+        lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl)[0].sum(),
+        policy=policy)
     jax.ad_checkpoint.print_saved_residuals(f, q, kv)
     saved = capsys.readouterr().out
     assert "named 'sparse_mla_out'" in saved and "named 'sparse_mla_lse'" in saved, saved
 
 
-def test_integer_inputs_take_no_gradient():
+def test_integer_inputs_take_no_gradient(impl):
     rng = np.random.default_rng(13)
     q, kv, idx = make_inputs(rng, (), 8, 8, 2, 8, 4)
-    g = jax.grad(lambda q, i: sparse_mla(q, kv, i, sm_scale=0.3, d_v=8)[0].sum(),
+    g = jax.grad(lambda q, i: sparse_mla(q, kv, i, sm_scale=0.3, d_v=8,
+                                         implementation=impl)[0].sum(),
                  argnums=(0, 1), allow_int=True)(q, idx)
     assert g[1].dtype == jax.dtypes.float0
 
@@ -251,7 +264,8 @@ def test_memory_is_bounded_by_query_blocks():
         q = jax.ShapeDtypeStruct((s, h, d), jnp.float32)
         kv = jax.ShapeDtypeStruct((s, d), jnp.float32)
         idx = jax.ShapeDtypeStruct((s, k), jnp.int32)
-        loss = lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=0.1, d_v=d)[0].sum()
+        loss = lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=0.1, d_v=d,
+                                             implementation="xla")[0].sum()
         compiled = jax.jit(jax.grad(loss, (0, 1))).lower(q, kv, idx).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -279,8 +293,10 @@ def test_memory_is_bounded_by_query_blocks():
          "topk_length"),
         (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "tpu"}, ValueError, "implementation"),
         (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "cuda"}, ValueError, "D_qk"),
+        # float32 is refused by the cuda backward (bfloat16 only), or "cuda" is not built.
         (((4, 2, 576), (6, 576), (4, 3)), {"implementation": "cuda", "d_v": 512},
-         NotImplementedError, "cuda"),
+         *((ValueError, "bfloat16") if "cuda" in sparse_mla_module.AVAILABLE
+           else (NotImplementedError, "cuda"))),
     ],
 )
 def test_bad_inputs_name_the_argument(args, kwargs, exc, match):

@@ -14,11 +14,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_dsa.ops import sparse_mla_xla
+from jax_dsa import _native
+from jax_dsa.ops import sparse_mla_ffi, sparse_mla_xla
 
 IMPLEMENTATIONS = ("xla", "cpu", "cuda")
-# The implementations built into this release; "cpu" and "cuda" arrive with the native layer.
-AVAILABLE = ("xla",)
+# The implementations this install can run: "xla" always, "cpu"/"cuda" when their native module
+# loaded (see `jax_dsa._native.LOAD_ERRORS` for why one did not).
+AVAILABLE = ("xla",) + _native.available()
+# implementation=None on the host: "cpu" when it is built, measured faster than "xla" there
+# (benchmarks/NOTES_native.md: 4.6x faster forward+backward on the example shapes).
+CPU_PREFERRED_ON_HOST = True
 # Head dimensions the GPU kernels are compiled for (absorbed MLA 512 + 64 RoPE; DeepSeek V4 512).
 KERNEL_D_QK = (512, 576)
 
@@ -66,8 +71,11 @@ def sparse_mla(
       attn_sink: optional ``[H]`` float32 logit per head added to the softmax denominator
         (``-inf`` = no sink). It does not enter ``lse``.
       topk_length: optional ``[..., S_q]`` integer count of leading slots to use per query.
-      implementation: ``"xla"`` (pure JAX, any platform), ``"cpu"``, ``"cuda"``, or ``None`` for
-        the best available one. Only ``"xla"`` is built in this release.
+      implementation: ``"xla"`` (pure JAX, any platform), ``"cpu"`` (C++ XLA FFI handlers on the
+        host), ``"cuda"`` (the reference forward with the cuDNN frontend's SM90 DSA backward,
+        compiled ahead of time; bfloat16, H <= 128, D_qk 512 or 576, d_v 512), or ``None``:
+        ``"cuda"`` on an SM90+ GPU when it supports the call, else ``"cpu"`` on the host, else
+        ``"xla"``. :data:`AVAILABLE` lists what this install has built.
 
     Returns:
       ``out [..., S_q, H, d_v]`` in q's dtype and ``lse [..., S_q, H]`` float32.
@@ -169,17 +177,45 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
             raise TypeError(
                 f"sparse_mla: topk_length must be an integer array, got {topk_length.dtype}"
             )
-    impl = implementation or AVAILABLE[0]
+    impl = implementation or _default_implementation(q.dtype, h, d_qk, d_v, indices.shape[-1])
     if impl == "cuda" and d_qk not in KERNEL_D_QK:
         raise ValueError(
             f"sparse_mla: implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {d_qk}"
         )
+    if impl == "cuda" and "cuda" in AVAILABLE:
+        why = sparse_mla_ffi.cuda_support_error(q.dtype, h, d_qk, d_v, indices.shape[-1])
+        if why is None:
+            why = _cuda_device_error()
+        if why:
+            raise ValueError("sparse_mla: " + why)
     if impl not in AVAILABLE:
+        why = _native.LOAD_ERRORS.get("_" + impl, "not built")
         raise NotImplementedError(
-            f"sparse_mla: implementation={impl!r} is not built into this jax_dsa; available: "
-            f"{AVAILABLE}"
+            f"sparse_mla: implementation={impl!r} is not available in this jax_dsa ({why}); "
+            f"available: {AVAILABLE}"
         )
     return impl
+
+
+def _cuda_device_error():
+    """Why the default GPU cannot run the "cuda" backward (None if it can, or if there is none)."""
+    if jax.default_backend() != "gpu":
+        return None  # e.g. lowering for CUDA on a host without a GPU
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or not str(cc).startswith("9."):
+        return (f"implementation='cuda' runs on SM90 GPUs (H100/H200); this GPU has compute "
+                f"capability {cc} (SM100/SM103 kernels are not built; SM120 is unsupported)")
+    return None
+
+
+def _default_implementation(dtype, h, d_qk, d_v, k):
+    backend = jax.default_backend()
+    if backend == "cpu" and "cpu" in AVAILABLE and CPU_PREFERRED_ON_HOST:
+        return "cpu"
+    if (backend == "gpu" and "cuda" in AVAILABLE and _cuda_device_error() is None
+            and sparse_mla_ffi.cuda_support_error(dtype, h, d_qk, d_v, k) is None):
+        return "cuda"
+    return "xla"
 
 
 # config = (sm_scale, d_v, implementation, block_q): static, hashable.
@@ -189,7 +225,11 @@ def _sparse_mla(q, kv, indices, sink, lengths, config):
 
 
 def _forward(q, kv, indices, sink, lengths, config):
-    sm_scale, d_v, _, block_q = config
+    sm_scale, d_v, impl, block_q = config
+    if impl == "cpu":
+        out, lse = sparse_mla_ffi.cpu_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
+                                              d_v=d_v)
+        return out, lse
     fwd = functools.partial(sparse_mla_xla.forward, sm_scale=sm_scale, d_v=d_v, block_q=block_q)
     return jax.vmap(fwd, in_axes=(0, 0, 0, None, 0))(q, kv, indices, sink, lengths)
 
@@ -204,7 +244,15 @@ def _fwd_rule(q, kv, indices, sink, lengths, config):
 def _bwd_rule(config, residuals, cotangents):
     q, kv, indices, sink, lengths, out, lse = residuals
     dout, _ = cotangents  # lse takes no gradient (see the docstring)
-    sm_scale, d_v, _, block_q = config
+    sm_scale, d_v, impl, block_q = config
+    if impl == "cuda":
+        dq, dkv, dsink = sparse_mla_ffi.cuda_backward(
+            q, kv, indices, sink, lengths, out, lse, dout, sm_scale=sm_scale, d_v=d_v)
+        return dq.astype(q.dtype), dkv.astype(kv.dtype), None, dsink.astype(sink.dtype), None
+    if impl == "cpu":
+        dq, dkv, dsink = sparse_mla_ffi.cpu_backward(
+            q, kv, indices, sink, lengths, out, lse, dout, sm_scale=sm_scale, d_v=d_v)
+        return dq, dkv, None, dsink.astype(sink.dtype), None
     bwd = functools.partial(sparse_mla_xla.backward, sm_scale=sm_scale, d_v=d_v, block_q=block_q)
     dq, dkv, dsink = jax.vmap(bwd, in_axes=(0, 0, 0, None, 0, 0, 0, 0))(
         q, kv, indices, sink, lengths, out, lse, dout.astype(out.dtype)

@@ -1,0 +1,274 @@
+// XLA FFI handler for the CUDA sparse MLA backward: the cuDNN frontend's SM90 DSA backward
+// (nvidia-cudnn-frontend 1.32.0, cudnn/deepseek_sparse_attention/sparse_attention_backward/
+// dsa_bwd_sm90.py), compiled ahead of time by export_dsa_bwd.py and launched here with no
+// compiler, no PyTorch and no allocation at run time.
+//
+// Contract (the public op's glue in jax_dsa/ops/sparse_mla_ffi.py prepares it): flat tokens,
+// bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] with K a compiled slot
+// bucket, valid slots a prefix of length topk_length >= 1, lse natural-log and sink-free
+// (+inf for rows without valid slots), attn_sink -inf for no sink. The workspace is an output
+// sized by WorkspaceBytes (the frontend's flash_attn_bwd_sm90_workspace_size).
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include <nanobind/nanobind.h>
+
+#include "cuda/dsa_bwd_variants.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_dsa {
+namespace {
+
+constexpr int64_t kTileM = 64, kTileN = 64, kHeadDimMultiple = 32, kCarveAlign = 128, kDv = 512;
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Scratch of one launch: fp32 dPsum and base-2 LSE [round64(S_q), H], fp32 dKV accumulator
+// [round64(S_kv), round32(D)], each chunk 128-byte aligned.
+int64_t StatsBytes(int64_t s_q, int64_t h) { return RoundUp(RoundUp(s_q, kTileM) * h * 4, kCarveAlign); }
+int64_t AccumElems(int64_t s_kv, int64_t d) { return RoundUp(s_kv, kTileN) * RoundUp(d, kHeadDimMultiple); }
+int64_t WorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t d) {
+  return 2 * StatsBytes(s_q, h) + RoundUp(AccumElems(s_kv, d) * 4, kCarveAlign);
+}
+
+const DsaBwdKernel* Find(const DsaBwdKernel* table, int n, int h, int d, int k) {
+  for (int i = 0; i < n; ++i) {
+    if ((h < 0 || table[i].h == h) && (d < 0 || table[i].d == d) && (k < 0 || table[i].topk == k))
+      return &table[i];
+  }
+  return nullptr;
+}
+
+// Loads every kernel module on every visible device, once per process. Called from the
+// INITIALIZE stage (outside any CUDA-graph capture) and, as a fallback, before the first launch.
+std::once_flag g_load_once;
+cudaError_t g_load_error = cudaSuccess;
+
+cudaError_t LoadAll() {
+  std::call_once(g_load_once, [] {
+    cudaGetLastError();
+    for (int i = 0; i < kNumPreKernels; ++i) kPreKernels[i].load();
+    for (int i = 0; i < kNumMainKernels; ++i) kMainKernels[i].load();
+    for (int i = 0; i < kNumPostKernels; ++i) kPostKernels[i].load();
+    g_load_error = cudaGetLastError();
+  });
+  return g_load_error;
+}
+
+ffi::Error CudaError(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("jax_dsa sparse_mla cuda backward: ") + what + ": " +
+                              cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_dsa sparse_mla cuda backward: " + msg);
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
+  cudaError_t e = LoadAll();
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("loading the kernel modules", e);
+}
+
+// Zeroes the atomically-accumulated outputs, then preprocess, main, postprocess on a.stream.
+ffi::Error Launch(const DsaBwdLaunch& a, int h, const DsaBwdKernel* pre, const DsaBwdKernel* main,
+                  const DsaBwdKernel* post) {
+  // The main kernel atomically adds into the dKV accumulator, the preprocess into d_sink.
+  if (cudaError_t e = cudaMemsetAsync(a.dkv_accum, 0, size_t(a.dkv_accum_n) * 4, a.stream); e != cudaSuccess)
+    return CudaError("zeroing the dKV accumulator", e);
+  if (cudaError_t e = cudaMemsetAsync(a.d_sink, 0, size_t(h) * 4, a.stream); e != cudaSuccess)
+    return CudaError("zeroing d_attn_sink", e);
+  for (const DsaBwdKernel* kern : {pre, main, post}) {
+    int32_t rc = kern->run(a);
+    cudaError_t e = cudaGetLastError();
+    if (rc != 0 || e != cudaSuccess) {
+      return CudaError((std::string("launching ") + kern->name + " (rc " + std::to_string(rc) + ")").c_str(),
+                       e != cudaSuccess ? e : cudaErrorLaunchFailure);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+template <typename B>
+bool Is(const B& b, std::initializer_list<int64_t> want) {
+  auto d = b.dimensions();
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) if (d[i++] != w) return false;
+  return true;
+}
+
+ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                    ffi::Buffer<ffi::BF16, 3> out, ffi::Buffer<ffi::BF16, 3> dout,
+                    ffi::Buffer<ffi::F32, 2> lse, ffi::Buffer<ffi::F32, 1> attn_sink,
+                    ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                    ffi::ResultBuffer<ffi::BF16, 3> dq, ffi::ResultBuffer<ffi::BF16, 2> dkv,
+                    ffi::ResultBuffer<ffi::F32, 1> d_sink, ffi::ResultBuffer<ffi::U8, 1> workspace,
+                    float sm_scale) {
+  const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
+  const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
+  if (!Is(kv, {s_kv, d})) return Invalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Is(out, {s_q, h, kDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, 512]");
+  if (!Is(dout, {s_q, h, kDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, 512]");
+  if (!Is(lse, {s_q, h})) return Invalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
+  if (!Is(attn_sink, {h})) return Invalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
+  if (!Is(indices, {s_q, k})) return Invalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Is(topk_length, {s_q})) return Invalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
+  if (!Is(*dq, {s_q, h, d}) || !Is(*dkv, {s_kv, d}) || !Is(*d_sink, {h}))
+    return Invalid("results dq, dkv, d_attn_sink must be shaped like q, kv, attn_sink");
+  if (s_q < 1 || s_kv < 1) return Invalid("S_q and S_kv must be >= 1");
+  if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX)
+    return Invalid("sequence too long for the 32-bit extents of the compiled kernels");
+
+  const DsaBwdKernel* pre = Find(kPreKernels, kNumPreKernels, int(h), -1, -1);
+  const DsaBwdKernel* post = Find(kPostKernels, kNumPostKernels, -1, int(d), -1);
+  const DsaBwdKernel* main = Find(kMainKernels, kNumMainKernels, int(h), int(d), int(k));
+  if (!pre || !post || !main) {
+    return Invalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
+                   ", K=" + std::to_string(k) + " (H must be 64 or 128, D_qk 512 or 576, K a slot bucket)");
+  }
+  const int64_t need = WorkspaceBytes(s_q, s_kv, h, d);
+  if (workspace->element_count() < need) {
+    return Invalid("workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
+                   std::to_string(need));
+  }
+  if (cudaError_t e = LoadAll(); e != cudaSuccess) return CudaError("loading the kernel modules", e);
+
+  char* ws = static_cast<char*>(workspace->untyped_data());
+  DsaBwdLaunch a;
+  a.q = q.untyped_data();
+  a.kv = kv.untyped_data();
+  a.out = out.untyped_data();
+  a.dout = dout.untyped_data();
+  a.lse = lse.typed_data();
+  a.attn_sink = attn_sink.typed_data();
+  a.indices = indices.typed_data();
+  a.topk_length = topk_length.typed_data();
+  a.dq = dq->untyped_data();
+  a.dkv = dkv->untyped_data();
+  a.d_sink = d_sink->typed_data();
+  a.dpsum = reinterpret_cast<float*>(ws);
+  a.lse_log2 = reinterpret_cast<float*>(ws + StatsBytes(s_q, h));
+  a.dkv_accum = reinterpret_cast<float*>(ws + 2 * StatsBytes(s_q, h));
+  a.s_q = int32_t(s_q);
+  a.s_kv = int32_t(s_kv);
+  a.s_q_rounded = int32_t(RoundUp(s_q, kTileM));
+  a.dkv_accum_n = int32_t(AccumElems(s_kv, d));
+  a.sm_scale = sm_scale;
+  a.stream = stream;
+
+  return Launch(a, int(h), pre, main, post);
+}
+
+}  // namespace
+}  // namespace jax_dsa
+
+// Benchmark harness (benchmarks/gpu_dsa_bwd.py, through ctypes): the same kernels launched from
+// raw device pointers on a private stream, no XLA. Per iteration: CUDA-event time and host wall
+// time of launch + stream synchronisation. Returns 0, or a CUDA error code.
+extern "C" __attribute__((visibility("default"))) int jax_dsa_dsa_bwd_raw_bench(
+    const void* q, const void* kv, const void* out, const void* dout, const float* lse,
+    const float* attn_sink, const int32_t* indices, const int32_t* topk_length, void* dq,
+    void* dkv, float* d_sink, void* workspace, int s_q, int s_kv, int h, int d, int k,
+    float sm_scale, int iters, float* ms_events, double* ms_wall) {
+  using namespace jax_dsa;
+  const DsaBwdKernel* pre = Find(kPreKernels, kNumPreKernels, h, -1, -1);
+  const DsaBwdKernel* post = Find(kPostKernels, kNumPostKernels, -1, d, -1);
+  const DsaBwdKernel* main = Find(kMainKernels, kNumMainKernels, h, d, k);
+  if (!pre || !post || !main) return -1;
+  if (LoadAll() != cudaSuccess) return int(g_load_error);
+  char* ws = static_cast<char*>(workspace);
+  DsaBwdLaunch a{q, kv, out, dout, lse, attn_sink, indices, topk_length, dq, dkv, d_sink,
+                 reinterpret_cast<float*>(ws), reinterpret_cast<float*>(ws + StatsBytes(s_q, h)),
+                 reinterpret_cast<float*>(ws + 2 * StatsBytes(s_q, h)), s_q, s_kv,
+                 int32_t(RoundUp(s_q, kTileM)), int32_t(AccumElems(s_kv, d)), sm_scale, nullptr};
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) return int(e);
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  a.stream = stream;
+  int rc = 0;
+  for (int i = 0; i < iters && rc == 0; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    cudaEventRecord(e0, stream);
+    if (Launch(a, h, pre, main, post).failure()) rc = -2;
+    cudaEventRecord(e1, stream);
+    cudaError_t e = cudaStreamSynchronize(stream);
+    auto t1 = std::chrono::steady_clock::now();
+    if (e != cudaSuccess) rc = int(e);
+    cudaEventElapsedTime(&ms_events[i], e0, e1);
+    ms_wall[i] = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+  return rc;
+}
+
+#define JAX_DSA_BWD_BINDING                                          \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* q */                     \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>()  /* kv */                    \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* out */                   \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* dout */                  \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()   /* lse */                   \
+      .Arg<ffi::Buffer<ffi::F32, 1>>()   /* attn_sink */             \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()   /* indices */               \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()   /* topk_length */           \
+      .Ret<ffi::Buffer<ffi::BF16, 3>>()  /* dq */                    \
+      .Ret<ffi::Buffer<ffi::BF16, 2>>()  /* dkv */                   \
+      .Ret<ffi::Buffer<ffi::F32, 1>>()   /* d_attn_sink */           \
+      .Ret<ffi::Buffer<ffi::U8, 1>>()    /* workspace */             \
+      .Attr<float>("sm_scale")
+
+// Execute is capture-safe (async memsets and kernel launches on XLA's stream, no allocation,
+// no synchronisation; modules are loaded in INITIALIZE), so it may join CUDA graphs. A variant
+// without the trait is exported for A/B checks (JAX_DSA_CUDA_GRAPHS=0 in jax_dsa._native).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCuda, jax_dsa::Backward, JAX_DSA_BWD_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaNoGraph, jax_dsa::Backward, JAX_DSA_BWD_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaInit, jax_dsa::Initialize,
+                              ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs());
+
+namespace nb = nanobind;
+
+NB_MODULE(_cuda, m) {
+  m.doc() = "jax_dsa CUDA sparse MLA backward (cuDNN frontend SM90 DSA kernels, AOT; XLA FFI API 0.4).";
+  m.def("registrations", [](bool graphs) {
+    nb::dict d, stages;
+    stages["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaDsaBwdCudaInit));
+    stages["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaDsaBwdCuda : JaxDsaDsaBwdCudaNoGraph));
+    d["jax_dsa_dsa_bwd_cuda"] = stages;
+    return d;
+  }, nb::arg("graphs") = true);
+  m.def("workspace_bytes", &jax_dsa::WorkspaceBytes, nb::arg("s_q"), nb::arg("s_kv"), nb::arg("h"), nb::arg("d"),
+        "Bytes of the backward's workspace output (the frontend's SM90 formula).");
+  m.def("variants", []() {
+    nb::list l;
+    for (int i = 0; i < jax_dsa::kNumMainKernels; ++i) {
+      const auto& k = jax_dsa::kMainKernels[i];
+      l.append(nb::make_tuple(k.h, k.d, k.topk));
+    }
+    return l;
+  }, "(H, D_qk, slot bucket) of every compiled main kernel.");
+  m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.attr("ARCH") = "sm_90a";
+}

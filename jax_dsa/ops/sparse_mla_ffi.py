@@ -1,0 +1,170 @@
+"""``jax.ffi.ffi_call`` wrappers for the native sparse MLA handlers (``"cpu"`` and ``"cuda"``).
+
+Shapes follow :func:`jax_dsa.ops.sparse_mla.sparse_mla` after it folds the batch dims into one:
+``q [B, S_q, H, D_qk]``, ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` int32,
+``attn_sink [H]`` (float32; float64 for float64 q), ``topk_length [B, S_q]`` int32.
+The handlers live in ``ffi/`` and are registered by :mod:`jax_dsa._native`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa import _native
+
+CPU_FWD_TARGET = "jax_dsa_sparse_mla_fwd_cpu"
+CPU_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cpu"
+
+
+def sink_dtype(dtype) -> jnp.dtype:
+    """The handlers take attn_sink in the accumulation type: float64 for float64 q, else float32."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def cpu_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
+    """Host forward: ``out [B, S_q, H, d_v]`` (q's dtype) and ``lse [B, S_q, H]`` float32."""
+    _native.require("_cpu")
+    lead = q.shape[:-1]
+    call = jax.ffi.ffi_call(
+        CPU_FWD_TARGET,
+        (jax.ShapeDtypeStruct(lead + (d_v,), q.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
+        # Unbatched operands get a size-1 leading dim; the handler broadcasts over it.
+        vmap_method="expand_dims",
+    )
+    return call(q, kv, indices, attn_sink.astype(sink_dtype(q.dtype)), topk_length,
+                sm_scale=np.float64(sm_scale), d_v=np.int64(d_v))
+
+
+def cpu_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v):
+    """Host backward: ``dq`` (q's shape), ``dkv`` (kv's shape) and ``d_attn_sink [H]``.
+
+    ``d_attn_sink`` is summed over the batch and has the accumulation dtype of :func:`sink_dtype`.
+    """
+    _native.require("_cpu")
+    sdt = sink_dtype(q.dtype)
+    call = jax.ffi.ffi_call(
+        CPU_BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(kv.shape, kv.dtype),
+            jax.ShapeDtypeStruct(attn_sink.shape, sdt),
+        ),
+        vmap_method="expand_dims",
+    )
+    return call(q, kv, indices, attn_sink.astype(sdt), topk_length, out, lse,
+                dout.astype(q.dtype), sm_scale=np.float64(sm_scale), d_v=np.int64(d_v))
+
+
+# --- "cuda": the cuDNN frontend's SM90 DSA backward, exported ahead of time (ffi/cuda) ---------
+
+CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
+# Compiled slot widths (ffi/cuda/export_dsa_bwd.py SLOT_BUCKETS): indices are padded with -1 to
+# the smallest bucket >= K; topk_length makes the kernel stop at each row's valid count.
+SLOT_BUCKETS = (128, 256, 512, 640, 1024, 1152, 2048)
+KERNEL_HEADS = (64, 128)
+KERNEL_D_QK = (512, 576)
+KERNEL_D_V = 512
+
+
+def slot_bucket(k: int) -> int:
+    """The compiled slot width used for ``K`` slots per query."""
+    for b in SLOT_BUCKETS:
+        if k <= b:
+            return b
+    raise ValueError(
+        f"sparse_mla: implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots per query "
+        f"(K), got {k}")
+
+
+def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None:
+    """Why the cuda backward cannot take this call, or None."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"implementation='cuda' needs bfloat16 q and kv, got {jnp.dtype(dtype)}"
+    if d_qk not in KERNEL_D_QK or d_v != KERNEL_D_V:
+        return (f"implementation='cuda' supports D_qk in {KERNEL_D_QK} with d_v={KERNEL_D_V}, got "
+                f"D_qk={d_qk}, d_v={d_v}")
+    if h > KERNEL_HEADS[-1]:
+        return f"implementation='cuda' supports at most {KERNEL_HEADS[-1]} heads, got H={h}"
+    if k > SLOT_BUCKETS[-1]:
+        return f"implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots (K), got {k}"
+    return None
+
+
+def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:
+    """The SM90 backward's scratch (frontend 1.32 ``flash_attn_bwd_sm90_workspace_size``)."""
+    r = lambda x, m: -(-x // m) * m
+    return 2 * r(r(s_q, 64) * h * 4, 128) + r(r(s_kv, 64) * r(d_qk, 32) * 4, 128)
+
+
+def cuda_index_glue(indices, topk_length, s_kv):
+    """``[B, S_q, K]`` indices -> (global rows with the valid slots first and -1 after,
+    per-row count >= 1, rows that had no valid slot). An empty row gets one slot, row 0 of its
+    batch element, which the caller masks with lse = +inf and dout = 0."""
+    nb, _, k = indices.shape
+    pos = jnp.arange(k, dtype=jnp.int32)
+    valid = (indices >= 0) & (indices < s_kv) & (pos < topk_length[..., None])
+    order = jnp.argsort(jnp.logical_not(valid), axis=-1, stable=True)
+    idx = jnp.take_along_axis(indices, order, axis=-1)
+    valid_sorted = jnp.take_along_axis(valid, order, axis=-1)
+    count = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    idx = jnp.where(valid_sorted, idx + offset, -1)
+    empty = count == 0
+    idx = idx.at[..., 0].set(jnp.where(empty, offset[..., 0], idx[..., 0]))
+    return idx, jnp.maximum(count, 1), empty
+
+
+def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v):
+    """GPU backward through the AOT cuDNN kernels: ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
+
+    Glue around the kernel's contract: batch folded into tokens (indices offset by
+    ``b * S_kv``); slots out of range or past ``topk_length`` set to -1 and the valid ones moved
+    to the front (stable), so ``topk_length`` = valid count; slots padded with -1 to a bucket;
+    heads padded to 64 or 128 (zero q/out/dout, lse +inf, sink -inf); rows without a valid slot
+    get one slot (row 0 of their batch element) with dout 0 and lse +inf, because the kernel needs
+    at least one (Megatron-LM's fix, shared/research/models.md §1.3); then everything un-padded.
+    """
+    nb, s_q, h, d_qk = q.shape
+    s_kv = kv.shape[1]
+    k = indices.shape[-1]
+    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
+    if why:
+        raise ValueError("sparse_mla: " + why)
+    kb = slot_bucket(k)
+    hp = KERNEL_HEADS[0] if h <= KERNEL_HEADS[0] else KERNEL_HEADS[1]
+
+    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv)
+    if kb > k:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, kb - k)), constant_values=-1)
+
+    bf = jnp.bfloat16
+    dout = jnp.where(empty[..., None, None], 0, dout.astype(bf))
+    lse = jnp.where(empty[..., None], jnp.inf, lse.astype(jnp.float32))
+    q, out = q.astype(bf), out.astype(bf)
+    sink = attn_sink.astype(jnp.float32)
+    if hp > h:
+        ph = ((0, 0), (0, 0), (0, hp - h), (0, 0))
+        q, out, dout = jnp.pad(q, ph), jnp.pad(out, ph), jnp.pad(dout, ph)
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, hp - h)), constant_values=jnp.inf)
+        sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
+
+    t = nb * s_q
+    ws = cuda_workspace_bytes(t, nb * s_kv, hp, d_qk)
+    call = jax.ffi.ffi_call(
+        CUDA_BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((t, hp, d_qk), bf),
+            jax.ShapeDtypeStruct((nb * s_kv, d_qk), bf),
+            jax.ShapeDtypeStruct((hp,), jnp.float32),
+            jax.ShapeDtypeStruct((ws,), jnp.uint8),
+        ),
+        vmap_method="sequential",
+    )
+    dq, dkv, dsink, _ = call(
+        q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
+        dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
+        length.reshape(t), sm_scale=np.float32(sm_scale))
+    dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
+    return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
