@@ -19,9 +19,14 @@ What it does:
   paper, the rest of the model is not frozen during the warm-up: here both stages train from
   scratch.) Each attention mode compiles one train program.
 * Optimizer: optax AdamW, linear warm-up then cosine decay, global-norm gradient clipping.
-* Device mesh: ``--mesh dp=N`` shards the batch over the ``dp`` axis. Shardings come from
-  :data:`LOGICAL_AXIS_RULES` (logical axis -> mesh axis) applied to the logical axis names the
-  model gives its parameters; with no rule for them yet, parameters are replicated.
+* Device mesh: ``--mesh dp=2,cp=2,tp=2`` (any subset): data parallel over ``dp`` (batch),
+  context parallel over ``cp`` (tokens; the DSA ops gather keys along the sequence), tensor
+  parallel over ``tp`` (attention heads, MLP, vocabulary). Shardings come from
+  :data:`LOGICAL_AXIS_RULES` (``jax_dsa.sharding.DEFAULT_RULES``: logical axis -> mesh axis)
+  applied to the logical axis names the model gives its parameters and activations.
+  ``--cp-layout zigzag`` puts the tokens in Megatron-LM's load-balanced order for causal
+  context parallelism. Runs on several hosts too: call ``jax.distributed.initialize`` first
+  (``tests/multihost_worker.py``); every process builds the same global batch.
 * Checkpoints (orbax): parameters, optimizer state, step and data position every
   ``--save-every`` steps and at the end; ``--resume`` continues the run exactly.
 
@@ -54,11 +59,14 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import text_data  # noqa: E402  (the example's sibling module)
 
-MESH_AXES = ("dp",)  # mesh axes this example knows; tensor/context parallel axes come later
+import jax_dsa.sharding as jax_dsa_sharding  # noqa: E402
+
+MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "cp", "tp"): mesh axes this example knows
 # Logical axis -> mesh axis. The model names every parameter dimension with a logical axis
-# (jax_dsa.nn.LOGICAL_AXES, kept as the parameters' ``out_sharding`` metadata); a logical axis
-# without a rule is replicated. Data parallelism only for now: parameters stay replicated.
-LOGICAL_AXIS_RULES: tuple[tuple[str, str], ...] = (("batch", "dp"),)
+# (jax_dsa.nn.LOGICAL_AXES, kept as the parameters' ``out_sharding`` metadata) and constrains its
+# activations with the same names; a logical axis without a rule is replicated.
+LOGICAL_AXIS_RULES = jax_dsa_sharding.DEFAULT_RULES
+CP_LAYOUTS = ("contiguous", "zigzag")
 ATTENTION_MODES = ("dense", "sparse")
 
 
@@ -73,7 +81,7 @@ def _mesh_spec(text: str) -> dict[str, int]:
         name = name.strip()
         if not sep or not size.strip().isdigit() or int(size) < 1:
             raise argparse.ArgumentTypeError(
-                f"--mesh must look like 'dp=2' (axis=size, size >= 1), got {text!r}")
+                f"--mesh must look like 'dp=2,cp=2,tp=2' (axis=size, size >= 1), got {text!r}")
         if name not in MESH_AXES:
             raise argparse.ArgumentTypeError(
                 f"--mesh axis {name!r} is not supported; known axes: {', '.join(MESH_AXES)}")
@@ -131,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-batch", action="store_true",
                    help="train on the first batch at every step (debugging: the loss must fall)")
     g.add_argument("--mesh", type=_mesh_spec, default="dp=1",
-                   help="device mesh, e.g. 'dp=2' (batch sharded over dp, parameters replicated)")
+                   help="device mesh, e.g. 'dp=2,cp=2,tp=2': data (batch), context (tokens) and "
+                        "tensor (heads, MLP, vocabulary) parallel")
+    g.add_argument("--cp-layout", choices=CP_LAYOUTS, default="contiguous",
+                   help="token order under context parallelism: contiguous shards, or zigzag "
+                        "(shard r holds chunks r and 2cp-1-r: balanced causal work)")
     g = p.add_argument_group("data")
     g.add_argument("--data-root", default=None,
                    help="directory of *.py files (default: the standard library of this Python)")
@@ -195,26 +207,42 @@ def make_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
                          devices=devices[:need])
 
 
-def logical_to_mesh(logical_axes, rules=LOGICAL_AXIS_RULES, mesh=None) -> P:
+def logical_to_mesh(logical_axes, rules=LOGICAL_AXIS_RULES, mesh=None, shape=None) -> P:
     """PartitionSpec for a tuple of logical axis names under ``rules`` (unmatched: replicated).
 
-    Rules naming a mesh axis that ``mesh`` lacks are ignored, so a one-axis mesh works with a
-    table written for a larger one.
+    Rules naming a mesh axis that ``mesh`` lacks, or (given ``shape``) not dividing the dim, are
+    ignored, so a one-axis mesh works with a table written for a larger one
+    (:func:`jax_dsa.sharding.logical_to_spec`).
     """
-    table = dict(rules)
-    names = set(mesh.axis_names) if mesh is not None else None
-    spec = []
-    for axis in logical_axes or ():
-        target = table.get(axis)
-        spec.append(target if target is not None and (names is None or target in names) else None)
-    return P(*spec)
+    return jax_dsa_sharding.logical_to_spec(logical_axes, rules, mesh, shape)
 
 
 def param_shardings(mesh, param_state, rules=LOGICAL_AXIS_RULES):
     """NamedShardings (as a pure dict) of an ``nnx.State`` of parameters from their logical axes."""
     specs = nnx.to_pure_dict(nnx.get_partition_spec(param_state))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, logical_to_mesh(tuple(spec), rules, mesh)),
-                        specs, is_leaf=lambda x: isinstance(x, P))
+    values = nnx.to_pure_dict(param_state)
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, logical_to_mesh(tuple(spec), rules, mesh, x.shape)),
+        specs, values, is_leaf=lambda x: isinstance(x, P))
+
+
+def global_array(x, sharding):
+    """A global ``jax.Array`` from a host array that every process holds in full (one process
+    or several: each places the shards of its own devices)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def place_batch(batch, sharding, cp_layout="contiguous"):
+    """A host batch (dict of ``[B, S]`` arrays) as global arrays; in zigzag order if asked (the
+    model sees the permuted ``positions``, so causality and RoPE are unchanged)."""
+    cp = sharding.mesh.shape.get("cp", 1)
+    out = {}
+    for k, v in batch.items():
+        if cp_layout == "zigzag" and cp > 1:
+            v = jax_dsa_sharding.to_zigzag(np.asarray(v), cp, axis=1)
+        out[k] = global_array(v, sharding)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,7 +463,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
 
     from jax_dsa.configs import get_config  # the model package, imported when needed
+    from jax_dsa.configs_v4 import DeepseekV4Config
     from jax_dsa.nn import DSALanguageModel
+    from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
     config = get_config(args.model)
     vocab_size = getattr(config, "vocab_size", None)
@@ -447,6 +477,10 @@ def main(argv=None) -> dict:
     dp = mesh.shape.get("dp", 1)
     if args.batch % dp:
         raise ValueError(f"--batch ({args.batch}) must be divisible by the dp mesh size ({dp})")
+    cp = mesh.shape.get("cp", 1)
+    if args.seq_len % (2 * cp if args.cp_layout == "zigzag" else cp):
+        raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by the cp mesh size "
+                         f"({cp}; twice that for --cp-layout zigzag)")
 
     # Data.
     corpus = text_data.load_corpus(args.data_root, max_bytes=int(args.corpus_mb * 2**20),
@@ -460,14 +494,16 @@ def main(argv=None) -> dict:
                     for i in range(args.eval_batches)]
 
     # Model and optimizer state.
-    model = DSALanguageModel(config, rngs=nnx.Rngs(args.seed))
+    # DeepSeek V4 presets get the V4 model (window / CSA / HCA attention), the others DSA.
+    model_cls = DeepseekV4LanguageModel if isinstance(config, DeepseekV4Config) else DSALanguageModel
+    model = model_cls(config, rngs=nnx.Rngs(args.seed))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     param_sharding = param_shardings(mesh, param_state)
     del model, param_state
     num_params = int(sum(x.size for x in jax.tree.leaves(params)))
     batch_sharding = NamedSharding(mesh, logical_to_mesh(("batch", "sequence"), mesh=mesh))
-    params = jax.device_put(params, param_sharding)
+    params = jax.tree.map(global_array, params, param_sharding)
     rest = jax.device_put(rest, NamedSharding(mesh, P()))
     steps = get_steps(graphdef, params, OptimizerSettings.from_args(args), mesh,
                       implementation=args.implementation,
@@ -502,7 +538,9 @@ def main(argv=None) -> dict:
         _save(manager, step, params, opt_state, meta)
 
     def evaluate(step, mode):
-        stats = [jax.device_get(steps.eval(mode, params, rest, b)) for b in eval_batches]
+        stats = [jax.device_get(steps.eval(mode, params, rest,
+                                           place_batch(b, batch_sharding, args.cp_layout)))
+                 for b in eval_batches]
         entry = {"step": step, "attention_mode": mode,
                  "loss": float(np.mean([s["loss"] for s in stats])),
                  "indexer_loss": float(np.mean([s["indexer_loss"] for s in stats]))}
@@ -519,7 +557,8 @@ def main(argv=None) -> dict:
         for step in range(start_step, stop):
             mode = attention_mode_at(step, args.dense_warmup_steps)
             index = sampler.indices(0 if args.fixed_batch else data_position, args.batch)
-            batch = text_data.make_batch(train_rows, index)
+            batch = place_batch(text_data.make_batch(train_rows, index), batch_sharding,
+                                args.cp_layout)
             traces_before = steps.traces["train"][mode]
             t0 = time.perf_counter()
             params, opt_state, stats = steps.train(mode, params, rest, opt_state, batch)

@@ -6,8 +6,10 @@ and ``DeepseekV32Config`` (``model_type="deepseek_v32"``) in huggingface/transfo
 ``config.json`` maps onto :class:`DSAConfig` field by field (:meth:`DSAConfig.from_hf_dict`).
 The real dimensions are those of ``shared/research/models.md`` §2.
 
-The language model in :mod:`jax_dsa.nn` uses a dense SwiGLU MLP in every layer; the MoE fields
-(``n_routed_experts`` ...) are recorded for checkpoint bookkeeping only.
+The language model in :mod:`jax_dsa.nn` uses the MoE block of :mod:`jax_dsa.nn.moe` on the layers
+that ``mlp_layer_types`` marks ``"sparse"`` and a dense SwiGLU MLP on the others; with
+``mlp_layer_types=None`` (the presets) every layer is dense. :meth:`DSAConfig.from_hf_dict` fills
+``mlp_layer_types`` as transformers does (``first_k_dense_replace`` dense layers, then MoE).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 ROPE_TYPES = ("default", "yarn")
 INDEXER_TYPES = ("full", "shared")
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -172,7 +175,9 @@ class DSAConfig:
     index_topk_freq: int = 1
     index_skip_topk_offset: int = 2
     indexer_types: tuple[str, ...] | None = None
-    # MoE and MTP: recorded, not built (the LM here has a dense SwiGLU MLP in every layer).
+    # MoE: built on the layers that mlp_layer_types marks "sparse" (None: every layer dense).
+    # MTP (num_nextn_predict_layers) is recorded, not built.
+    mlp_layer_types: tuple[str, ...] | None = None
     first_k_dense_replace: int = 3
     moe_intermediate_size: int = 2048
     n_routed_experts: int = 256
@@ -230,6 +235,46 @@ class DSAConfig:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"DSAConfig: only hidden_act='silu' is built, got {self.hidden_act!r}")
+        self._check_moe()
+
+    def _check_moe(self):
+        if self.mlp_layer_types is None:
+            return
+        types = tuple(self.mlp_layer_types)
+        object.__setattr__(self, "mlp_layer_types", types)
+        if len(types) != self.num_hidden_layers or any(t not in MLP_LAYER_TYPES for t in types):
+            raise ValueError(
+                f"DSAConfig: mlp_layer_types must have num_hidden_layers={self.num_hidden_layers} "
+                f"entries from {MLP_LAYER_TYPES}, got {types}"
+            )
+        if "sparse" not in types:
+            return
+        for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                     "topk_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"DSAConfig: {name} must be a positive int, got {value!r}")
+        if self.n_shared_experts < 0:
+            raise ValueError(
+                f"DSAConfig: n_shared_experts must be >= 0, got {self.n_shared_experts}"
+            )
+        if self.n_routed_experts % self.n_group or self.n_routed_experts // self.n_group < 2:
+            raise ValueError(
+                f"DSAConfig: n_routed_experts={self.n_routed_experts} must split into n_group="
+                f"{self.n_group} groups of at least 2 experts (a group scores by its top 2)"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(f"DSAConfig: topk_group={self.topk_group} > n_group={self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(
+                f"DSAConfig: num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                f"topk_group={self.topk_group} groups"
+            )
+        if self.scoring_func != "sigmoid":
+            raise ValueError(
+                "DSAConfig: only scoring_func='sigmoid' routing is built, got "
+                f"{self.scoring_func!r}"
+            )
 
     # Derived quantities ------------------------------------------------------------------------
 
@@ -278,6 +323,10 @@ class DSAConfig:
     def has_indexer(self, layer_idx: int) -> bool:
         return self.indexer_types[layer_idx] == "full"
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has the MoE block (``mlp_layer_types`` ``"sparse"``)."""
+        return self.mlp_layer_types is not None and self.mlp_layer_types[layer_idx] == "sparse"
+
     # Conversion --------------------------------------------------------------------------------
 
     @classmethod
@@ -285,7 +334,9 @@ class DSAConfig:
         """Build from a Hugging Face ``config.json`` dict (unknown keys are ignored).
 
         Accepts ``rope_parameters`` or the older ``rope_scaling`` plus ``rope_theta``, and
-        ``index_topk_pattern`` (``"FSS..."``) as transformers does.
+        ``index_topk_pattern`` (``"FSS..."``) as transformers does. Without ``mlp_layer_types``,
+        the first ``first_k_dense_replace`` layers are dense and the rest MoE (transformers'
+        ``GlmMoeDsaConfig`` / ``DeepseekV32Config``).
         """
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and v is not None}
@@ -298,6 +349,11 @@ class DSAConfig:
             ) if isinstance(pattern, str) else tuple(pattern)
         elif d.get("indexer_types") is not None:
             kw["indexer_types"] = tuple(d["indexer_types"])
+        if d.get("mlp_layer_types") is None:
+            n_dense = d.get("first_k_dense_replace")
+            n_layers = kw.get("num_hidden_layers", cls.num_hidden_layers)
+            n_dense = min(cls.first_k_dense_replace if n_dense is None else n_dense, n_layers)
+            kw["mlp_layer_types"] = ("dense",) * n_dense + ("sparse",) * (n_layers - n_dense)
         if d.get("rope_interleave") is None:
             kw.pop("rope_interleave", None)
         if d.get("indexer_rope_interleave") is None:
@@ -466,13 +522,22 @@ PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 def get_config(name: str, **overrides: Any) -> DSAConfig:
     """The preset ``name`` (one of :data:`PRESET_NAMES`), with optional field overrides.
 
+    DeepSeek V4 names (``jax_dsa.configs_v4.PRESET_NAMES``) give a
+    :class:`~jax_dsa.configs_v4.DeepseekV4Config` instead.
+
     Raises:
       KeyError: an unknown preset name (the message lists the known ones).
     """
     try:
         config = PRESETS[name]
     except KeyError:
-        raise KeyError(f"get_config: unknown preset {name!r}; known: {PRESET_NAMES}") from None
+        # DeepSeek V4 presets live in configs_v4 (imported here: it imports this module).
+        from jax_dsa import configs_v4
+
+        if name in configs_v4.PRESETS:
+            return configs_v4.get_v4_config(name, **overrides)
+        known = PRESET_NAMES + configs_v4.PRESET_NAMES
+        raise KeyError(f"get_config: unknown preset {name!r}; known: {known}") from None
     if overrides:
         if "num_hidden_layers" in overrides and "indexer_types" not in overrides:
             overrides["indexer_types"] = None  # re-derive the schedule for the new depth

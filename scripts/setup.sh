@@ -35,9 +35,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.jax_dsa-installed
-changed() {  # anything the install depends on newer than the stamp?
+modules() { find jax_dsa -name '*.py' | sort; }
+changed() {  # anything the install depends on newer than the stamp, or a module added/removed?
   [ ! -f "$stamp" ] && return 0
-  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ]
+  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ] && return 0
+  # The editable install (scikit-build-core "redirect" mode) maps the modules it saw when built.
+  [ "$(modules)" != "$(cat "$stamp")" ]
 }
 if changed; then
   pip_q() { .venv/bin/python -m pip install -q -c constraints.txt "$@"; }
@@ -55,5 +58,50 @@ if changed; then
     pip_q -r scripts/cuda-build-requirements.txt
   fi
   pip_q --no-build-isolation -e ".[test]"
-  touch "$stamp"
+  modules >"$stamp"
+fi
+
+# Reference interpreter for tests/test_interop_hf.py: transformers' own GLM-5 / DeepSeek V3.2
+# models with torch on the CPU, in .venv-hf (Python 3.10+, it never imports jax_dsa). Optional:
+# when it cannot be made, setup goes on and those tests skip with a message. Pins live in
+# tests/hf_reference/requirements.txt. The torch CPU wheel is preferred: a local find-links wheel
+# (torch-2.13.0+cpu for Python 3.11 on the development machines) or the PyTorch CPU index when it
+# answers; otherwise pip falls back to PyPI's (CUDA) build.
+find_hf_python() {
+  local cand
+  for cand in "${HF_PYTHON:-}" python3.11 python3.12 python3.13 python3.10 python3; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 &&
+       "$cand" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))' \
+         >/dev/null 2>&1; then
+      command -v "$cand"; return 0
+    fi
+  done
+  local root
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for cand in $(ls -d "$root"/versions/3.11* "$root"/versions/3.12* "$root"/versions/3.13* \
+                  2>/dev/null | sort -rV); do
+    if [ -x "$cand/bin/python3" ]; then echo "$cand/bin/python3"; return 0; fi
+  done
+  return 1
+}
+
+hf_req=tests/hf_reference/requirements.txt
+hf_stamp=.venv-hf/.hf-reference-installed
+if [ "${JAX_DSA_HF_REFERENCE:-ON}" != OFF ] &&
+   { [ ! -f "$hf_stamp" ] || [ "$hf_req" -nt "$hf_stamp" ]; }; then
+  if ! hf_py=$(find_hf_python); then
+    echo "setup: no Python 3.10-3.13 for .venv-hf; the transformers parity tests will skip" >&2
+  elif { [ -x .venv-hf/bin/python ] || "$hf_py" -m venv .venv-hf; } &&
+       hf_index=() &&
+       { ! .venv-hf/bin/python -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=5)' https://download.pytorch.org/whl/cpu/torch/ \
+           >/dev/null 2>&1 ||
+         hf_index=(--extra-index-url https://download.pytorch.org/whl/cpu); } &&
+       .venv-hf/bin/python -m pip install -q "${hf_index[@]}" -r "$hf_req"; then
+    touch "$hf_stamp"
+  else
+    echo "setup: could not install $hf_req into .venv-hf; the transformers parity tests" \
+         "will skip" >&2
+  fi
 fi

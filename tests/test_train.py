@@ -158,14 +158,15 @@ def test_masked_cross_entropy_matches_float64_oracle():
 
 
 def test_command_line_validation_and_sharding_rules():
-    for bad in (["--mesh", "tp=2"], ["--mesh", "dp=0"], ["--resume"],
+    for bad in (["--mesh", "xp=2"], ["--mesh", "dp=0"], ["--resume"],
                 ["--steps", "4", "--stop-at-step", "5"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(bad)
     assert train.parse_args(["--mesh", "dp=2"]).mesh == {"dp": 2}
+    assert train.parse_args(["--mesh", "dp=2,cp=2,tp=2"]).mesh == {"dp": 2, "cp": 2, "tp": 2}
     P = jax.sharding.PartitionSpec
-    assert train.logical_to_mesh(("batch", "sequence")) == P("dp", None)
-    assert train.logical_to_mesh(("vocab", "embed")) == P(None, None)
+    assert train.logical_to_mesh(("batch", "sequence")) == P("dp", "cp")
+    assert train.logical_to_mesh(("vocab", "embed")) == P("tp", None)
     rules = (("heads", "tp"), ("batch", "dp"))
     assert train.logical_to_mesh(("heads", "q_lora"), rules) == P("tp", None)
     assert [train.attention_mode_at(i, 2) for i in range(4)] == ["dense", "dense", "sparse",

@@ -5,20 +5,26 @@ from jax_dsa.nn.indexer import Indexer
 from jax_dsa.nn.layers import LOGICAL_AXES, Embed, LayerNorm, Linear, RMSNorm
 from jax_dsa.nn.mlp import MLP
 from jax_dsa.nn.model import DecoderLayer, DSALanguageModel
+from jax_dsa.nn.moe import MoE
 from jax_dsa.nn.rope import apply_rope, inv_frequencies, rope_cos_sin
 from jax_dsa.nn.slots import dense_indices
+from jax_dsa.nn.v4_attention import DeepseekV4Attention
+from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
 __all__ = [
     "ATTENTION_MODES",
     "DSAAttention",
     "DSALanguageModel",
     "DecoderLayer",
+    "DeepseekV4Attention",
+    "DeepseekV4LanguageModel",
     "Embed",
     "Indexer",
     "LOGICAL_AXES",
     "LayerNorm",
     "Linear",
     "MLP",
+    "MoE",
     "RMSNorm",
     "apply_rope",
     "dense_indices",

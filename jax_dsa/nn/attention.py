@@ -31,6 +31,7 @@ from jax_dsa.nn.rope import apply_rope, rope_cos_sin
 from jax_dsa.nn.slots import dense_indices
 from jax_dsa.ops.indexer import indexer_kl_loss
 from jax_dsa.ops.sparse_mla import sparse_mla
+from jax_dsa.sharding import constrain
 
 ATTENTION_MODES = ("sparse", "dense")
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not config.rms_norm_eps
@@ -195,6 +196,8 @@ class DSAAttention(nnx.Module):
 
         cos, sin = rope_cos_sin(positions, c.rope_parameters, c.qk_rope_head_dim)
         q, kv, w_uv, c_q = self.absorbed_qkv(x, cos, sin)
+        q = constrain(q, ("batch", "sequence", "heads", None))
+        kv = constrain(kv, ("batch", "sequence", None))  # split by token; the op gathers it
         index_qkw = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
 
         if indices is None:

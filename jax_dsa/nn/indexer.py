@@ -28,6 +28,7 @@ from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import LayerNorm, Linear
 from jax_dsa.nn.rope import apply_rope
 from jax_dsa.ops.indexer import indexer_topk
+from jax_dsa.sharding import constrain
 
 K_NORM_EPS = 1e-6
 
@@ -89,6 +90,9 @@ class Indexer(nnx.Module):
         k_rot = apply_rope(k[..., :r], cos, sin, interleave=interleave)
         k = jnp.concatenate([k_rot, k[..., r:]], axis=-1)
         weights = self.weights_proj(x.astype(jnp.float32)) * c.indexer_weight_scale
+        q = constrain(q, ("batch", "sequence", "index_heads", None))
+        k = constrain(k, ("batch", "sequence", None))
+        weights = constrain(weights, ("batch", "sequence", "index_heads"))
         return q, k, weights
 
     def topk(self, q, k, weights, positions, segment_ids=None):

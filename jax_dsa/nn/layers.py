@@ -15,7 +15,7 @@ from flax import nnx
 # Logical axis names used on parameters (and, in docstrings, on activations).
 LOGICAL_AXES = (
     "batch", "sequence", "embed", "vocab", "heads", "q_lora", "kv_lora", "mlp",
-    "index_heads", "index_head_dim",
+    "index_heads", "index_head_dim", "experts",
 )
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dsa.nn.layers import Linear
+from jax_dsa.sharding import constrain
 
 
 class MLP(nnx.Module):
@@ -25,4 +26,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         """``x [..., hidden]`` -> ``[..., hidden]`` in the compute dtype."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        if hidden.ndim == 3:  # [B, S, intermediate]: split like the mlp weights
+            hidden = constrain(hidden, ("batch", "sequence", "mlp"))
+        return self.down_proj(hidden)

@@ -3,7 +3,8 @@
 Structure and parameter names follow transformers' ``GlmMoeDsaForCausalLM`` /
 ``DeepseekV32ForCausalLM`` (``embed_tokens``, ``layers.N.input_layernorm``,
 ``layers.N.self_attn``, ``layers.N.post_attention_layernorm``, ``layers.N.mlp``, ``norm``,
-``lm_head``), except that every layer has a dense SwiGLU MLP (no MoE) and there is no MTP head.
+``lm_head``). ``layers.N.mlp`` is the MoE block (:mod:`jax_dsa.nn.moe`) where
+``config.mlp_layer_types`` says ``"sparse"``, else a dense SwiGLU MLP. There is no MTP head.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.attention import ATTENTION_MODES, DSAAttention, check_positions
 from jax_dsa.nn.layers import Embed, Linear, RMSNorm
 from jax_dsa.nn.mlp import MLP
+from jax_dsa.nn.moe import MoE
 from jax_dsa.nn.slots import dense_indices
+from jax_dsa.sharding import constrain
 
 
 class DecoderLayer(nnx.Module):
@@ -32,10 +35,13 @@ class DecoderLayer(nnx.Module):
             c, layer_idx, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm_kw)
-        self.mlp = MLP(
-            c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-            init_std=c.initializer_range,
-        )
+        if c.is_moe_layer(layer_idx):
+            self.mlp = MoE(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.mlp = MLP(
+                c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype,
+                param_dtype=param_dtype, init_std=c.initializer_range,
+            )
 
     def __call__(self, x, positions, segment_ids, **attn_kwargs):
         """``x [B, S, hidden]`` -> ``(x [B, S, hidden], attention aux)``; see
@@ -122,7 +128,7 @@ class DSALanguageModel(nnx.Module):
         b, s = input_ids.shape
         positions, segment_ids = check_positions(positions, segment_ids, b, s)
 
-        x = self.embed_tokens(input_ids)
+        x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
         dense = None
         if attention_mode == "dense":  # one slot list for every layer
             dense = dense_indices(positions, positions, segment_ids, segment_ids)
@@ -135,13 +141,14 @@ class DSALanguageModel(nnx.Module):
                 x, positions, segment_ids, attention_mode=attention_mode, indices=indices,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,
             )
+            x = constrain(x, ("batch", "sequence", "embed"))
             if full:
                 shared = aux["indices"]
             if aux["indexer_loss"] is not None:
                 losses.append(aux["indexer_loss"])
             all_indices.append(aux["indices"])
         x = self.norm(x)
-        logits = self.lm_head(x).astype(jnp.float32)
+        logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
         out_aux = {"indexer_loss": indexer_loss}
         if return_indices:

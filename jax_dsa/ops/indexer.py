@@ -17,10 +17,13 @@ in the sequence length, never with ``S_q * S_kv``. The KL loss's block body is r
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
+
+from jax_dsa.sharding import partition
 
 # Elements in one query block's largest temporary (~64 MiB of float32).
 BLOCK_ELEMENTS = 1 << 24
@@ -151,9 +154,9 @@ def indexer_topk(
             return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
 
         out = jax.lax.map(block, _blocks_of(block_q, q, w, q_pos, q_seg))
-        return _unblock(out, s_q)
+        return _unblock(out, q.shape[0])  # local rows when split over a mesh
 
-    out = jax.vmap(one)(*args)
+    out = partition.indexer_topk(one, *args)  # vmap(one), split over the mesh in context
     if topk > k_eff:
         out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
     return out.reshape(batch + (s_q, topk))
@@ -290,8 +293,8 @@ def indexer_kl_loss(
     kv3 = kv.reshape((nb, s_kv, d_qk))
     idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
 
-    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
-        row_ok = jnp.ones((s_q,), jnp.bool_)
+    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, layout=partition.Layout()):
+        row_ok = jnp.ones(iq.shape[:1], jnp.bool_)  # local rows when split over a mesh
 
         def block(xs):
             iqb, iwb, pb, sb, qb, ib, okb = xs
@@ -311,7 +314,8 @@ def indexer_kl_loss(
             log_pi = _masked_log_softmax(score, support)
             log_p_h = _masked_log_softmax(logits, support[:, None, :])
             # log of the head mean, without leaving log space (no underflow to log 0).
-            log_p = jax.nn.logsumexp(log_p_h, axis=1) - jnp.log(jnp.asarray(h, acc))
+            # Heads split over a mesh: the head mean spans every head shard.
+            log_p = partition.head_logsumexp(log_p_h, 1, layout) - jnp.log(jnp.asarray(h, acc))
             p = jnp.where(support, jnp.exp(log_p), 0)
             kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
             has = jnp.any(support, axis=-1)
@@ -321,7 +325,9 @@ def indexer_kl_loss(
         kl, count = jax.lax.map(jax.checkpoint(block), xs)
         return jnp.sum(kl), jnp.sum(count)
 
-    kl, count = jax.vmap(one)(*args, q3, kv3, idx3)
+    kl, count = partition.indexer_kl_loss(  # vmap(one), split over the mesh in context
+        lambda layout: functools.partial(one, layout=layout), *args, q3, kv3, idx3
+    )
     kl, count = jnp.sum(kl), jnp.sum(count)
     return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
 

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
 from jax_dsa.ops import sparse_mla_ffi, sparse_mla_xla
+from jax_dsa.sharding import partition
 
 IMPLEMENTATIONS = ("xla", "cpu", "cuda")
 # The implementations this install can run: "xla" always, "cpu"/"cuda" when their native module
@@ -224,6 +225,7 @@ def _sparse_mla(q, kv, indices, sink, lengths, config):
     return _forward(q, kv, indices, sink, lengths, config)
 
 
+@partition.sparse_mla_forward  # splits over the mesh in context (jax_dsa.sharding)
 def _forward(q, kv, indices, sink, lengths, config):
     sm_scale, d_v, impl, block_q = config
     if impl == "cpu":
@@ -241,6 +243,7 @@ def _fwd_rule(q, kv, indices, sink, lengths, config):
     return (out, lse), (q, kv, indices, sink, lengths, out, lse)
 
 
+@partition.sparse_mla_backward
 def _bwd_rule(config, residuals, cotangents):
     q, kv, indices, sink, lengths, out, lse = residuals
     dout, _ = cotangents  # lse takes no gradient (see the docstring)

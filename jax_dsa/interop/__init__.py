@@ -1,0 +1,26 @@
+"""Hugging Face interop: load GLM-5 / GLM-5.2 / DeepSeek V3.2 checkpoints, save them back.
+
+* :func:`load_hf` -> a :class:`jax_dsa.nn.DSALanguageModel` with the checkpoint's weights
+  (streamed tensor by tensor, optionally straight onto a mesh).
+* :func:`load_hf_attention` -> one layer's attention + indexer parameters.
+* :func:`save_hf` -> a checkpoint directory transformers loads with identical logits.
+* :func:`config_from_hf` / :func:`config_to_hf` / :func:`load_hf_config`: the config mapping.
+
+The reference is transformers' ``GlmMoeDsaForCausalLM`` / ``DeepseekV32ForCausalLM``
+(tests/test_interop_hf.py compares logits with it).
+"""
+
+from jax_dsa.interop.hf_config import MODEL_TYPES, config_from_hf, config_to_hf, read_hf_config
+from jax_dsa.interop.loader import load_hf, load_hf_attention, load_hf_config
+from jax_dsa.interop.saver import save_hf
+
+__all__ = [
+    "MODEL_TYPES",
+    "config_from_hf",
+    "config_to_hf",
+    "load_hf",
+    "load_hf_attention",
+    "load_hf_config",
+    "read_hf_config",
+    "save_hf",
+]

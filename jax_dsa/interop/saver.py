@@ -1,0 +1,92 @@
+"""Saving a :class:`jax_dsa.nn.DSALanguageModel` as a Hugging Face checkpoint directory.
+
+Writes ``config.json`` (:func:`jax_dsa.interop.config_to_hf`) and safetensors shards with the
+keys and ``[out, in]`` layouts of transformers' ``GlmMoeDsaForCausalLM`` /
+``DeepseekV32ForCausalLM`` (stacked experts split back into ``experts.{e}.*.weight``), in each
+parameter's own dtype, so that ``from_pretrained`` rebuilds the same model. Parameters are
+fetched to the host one at a time (one expert at a time for stacked experts); only the shard
+being written is held in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_dsa.interop.hf_config import config_to_hf
+from jax_dsa.interop.names import hf_key
+from jax_dsa.interop.safetensors_io import CheckpointWriter
+from jax_dsa.nn.model import DSALanguageModel
+
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+def _dtype_name(dt) -> str:
+    dt = np.dtype(dt)
+    return _DTYPE_NAMES.get(dt, dt.name)  # ml_dtypes' bfloat16 is named "bfloat16"
+
+
+def _host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError(
+            "save_hf: a parameter is not fully addressable from this process (multi-host); "
+            "save from a process that can address every shard"
+        )
+    return np.asarray(jax.device_get(x))
+
+
+def save_hf(model: DSALanguageModel, path: str | os.PathLike, *,
+            max_shard_size: int | str = "5GB") -> list[str]:
+    """Write ``model`` as a checkpoint that transformers loads with identical logits.
+
+    Args:
+      model: a :class:`jax_dsa.nn.DSALanguageModel` (e.g. from :func:`jax_dsa.interop.load_hf`)
+        whose config has ``model_type`` ``"glm_moe_dsa"`` or ``"deepseek_v32"``.
+      path: output directory (created; an earlier checkpoint there is replaced).
+      max_shard_size: bytes per safetensors shard (int or ``"5GB"``-style string); more than one
+        shard adds ``model.safetensors.index.json``.
+
+    Returns:
+      The safetensors file names written.
+
+    Raises:
+      TypeError: ``model`` is not a ``DSALanguageModel``.
+      ValueError: a config transformers cannot represent (:func:`jax_dsa.interop.config_to_hf`),
+        ``tie_word_embeddings`` with an ``lm_head`` that differs from the embedding, or
+        parameters not addressable from this process.
+    """
+    if not isinstance(model, DSALanguageModel):
+        raise TypeError(f"save_hf: model must be a DSALanguageModel, got {type(model).__name__}")
+    config = model.config
+    path = os.fspath(path)
+    _, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    embed_dtype = model.embed_tokens.weight[...].dtype
+    hf = config_to_hf(config, dtype=_dtype_name(embed_dtype))
+    tied = bool(config.tie_word_embeddings)
+    if tied and not np.array_equal(_host(model.lm_head.weight[...]),
+                                   _host(model.embed_tokens.weight[...])):
+        raise ValueError(
+            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
+            "(transformers would tie them); set tie_word_embeddings=False in the config"
+        )
+    os.makedirs(path, exist_ok=True)
+    writer = CheckpointWriter(path, max_shard_size)
+    for p, var in flat:
+        key, stacked = hf_key(p)
+        if tied and key == "lm_head.weight":
+            continue
+        value = var.get_value()
+        if stacked:
+            for e in range(value.shape[0]):
+                writer.add(key.format(expert=e), _host(value[e]))
+        else:
+            writer.add(key, _host(value))
+    files = writer.finish()
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    return files

@@ -1,0 +1,201 @@
+"""DeepSeek V4's CSA indexer loss: KL from a teacher whose softmax includes the window and sink.
+
+In a V4 CSA layer each query attends, in one softmax, to its sliding window of raw rows, to some
+compressed entries and to a per-head sink. The indexer only chooses among the compressed
+entries, so its teacher is the attention mass that lands on them, with the window and sink mass
+left in the denominator (NVIDIA/Megatron-LM ``dev``: ``csa.py``,
+``_compute_indexer_teacher_probabilities`` with ``non_compressed_lse``;
+``shared/research/models.md`` §1.4). For query ``t`` with compressed support ``S_t``::
+
+    P_h[t, s] = exp(sm_scale * q[t, h] . kv[s] - attention_lse[t, h])      s in S_t
+    p[t, s]   = sum_h P_h[t, s] / sum_{s' in S_t} sum_h P_h[t, s']          (target)
+    pI[t, s]  = softmax_{s in S_t}(I[t, s])                                  (indexer)
+    KL_t      = sum_{s in S_t} p[t, s] * (log p[t, s] - log pI[t, s])
+
+where ``attention_lse[t, h]`` is the log of the main attention's whole softmax denominator
+(window rows, the compressed slots it attended, and ``exp(attn_sink[h])``). A head that puts its
+mass on the window or the sink therefore weighs less in the target than one that attends to the
+compressed entries; with ``attention_lse`` equal to the per-head log-sum-exp over ``S_t`` alone the
+target is the head mean of V3.2's :func:`jax_dsa.ops.indexer.indexer_kl_loss`. Everything runs in
+log space, so a compressed mass that underflows float32 does not zero the target.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer import (
+    _acc_dtype,
+    _blocks_of,
+    _check_indexer,
+    _check_int,
+    _check_positions,
+    _default_block_q,
+    _dense_scores,
+    _einsum,
+    _flatten_batch,
+    _masked_log_softmax,
+    _sparse_scores,
+    _visible,
+)
+
+
+def v4_indexer_kl_loss(
+    index_q,
+    index_k,
+    index_weights,
+    q,
+    kv,
+    attention_lse,
+    *,
+    sm_scale,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    indices=None,
+    block_q=None,
+):
+    """Mean over query rows of the KL from the window-and-sink-aware teacher to the indexer.
+
+    The support ``S_t`` is, as in :func:`jax_dsa.ops.indexer.indexer_kl_loss`: every compressed
+    entry visible to ``t`` (dense form, ``indices=None``; visibility is
+    ``kv_positions[s] <= q_positions[t]`` within the same segment), or the valid visible slots of
+    ``indices[t]`` (sparse form: ``0 <= index < S_kv``; ``-1`` marks an invalid slot). Rows with an
+    empty support are left out of the mean; the loss is 0 when no row has one.
+
+    ``attention_lse`` must be the log of the softmax denominator of the attention whose heads
+    define the teacher: the window, every compressed slot that attention used (a superset of
+    ``S_t``) and the sink. From :func:`jax_dsa.sparse_mla`'s outputs:
+    ``jnp.logaddexp(lse, attn_sink)``.
+
+    Gradients flow to ``index_q``, ``index_k`` and ``index_weights`` only: ``q``, ``kv`` and
+    ``attention_lse`` are wrapped in ``stop_gradient`` (the indexer learns only from this loss).
+    Each query block's body is rematerialised in the backward pass.
+
+    Args:
+      index_q: ``[..., S_q, index_n_heads, index_head_dim]`` float indexer queries.
+      index_k: ``[..., S_kv, index_head_dim]`` float indexer keys of the compressed entries.
+      index_weights: ``[..., S_q, index_n_heads]`` float head weights (scale folded in).
+      q: ``[..., S_q, H, D]`` float main-attention queries, as given to ``sparse_mla``.
+      kv: ``[..., S_kv, D]`` float compressed K = V rows, ``q``'s dtype.
+      attention_lse: ``[..., S_q, H]`` float natural-log denominator (see above).
+      sm_scale: the main attention's softmax scale (Python number; V4: ``head_dim**-0.5``).
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer positions (for the
+        compressed entries: the position of the last token of their window).
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
+        ids (both or neither).
+      indices: optional ``[..., S_q, K]`` integer compressed-row ids (the sparse form).
+      block_q: query rows per block (Python int >= 1); ``None`` picks one so that a block's
+        temporaries stay near 64 MiB.
+
+    Returns:
+      A scalar: float32, or float64 when an input is float64 (under x64).
+
+    Raises:
+      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``block_q < 1``,
+        only one of the segment ids given.
+      TypeError: ``sm_scale`` not a number; non-float tensors; ``q``/``kv`` dtypes that differ;
+        non-integer ``indices``, positions, segment ids or ``block_q``.
+    """
+    name = "v4_indexer_kl_loss"
+    index_q, index_k, index_weights, q, kv, attention_lse = (
+        jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv, attention_lse)
+    )
+    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise TypeError(f"{name}: sm_scale must be a Python number, got {sm_scale!r}")
+    batch, s_q, h_i, s_kv = _check_indexer(
+        name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
+    )
+    nbd = len(batch)
+    if q.ndim != nbd + 3 or q.shape[:-2] != batch + (s_q,):
+        raise ValueError(
+            f"{name}: q must be [..., S_q, H, D] = {batch + (s_q,)} + (H, D) like index_q, got "
+            f"shape {q.shape}"
+        )
+    h, d = q.shape[-2:]
+    if kv.shape != batch + (s_kv, d):
+        raise ValueError(f"{name}: kv must be [..., S_kv, D] = {batch + (s_kv, d)}, got {kv.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
+        raise TypeError(f"{name}: q and kv must share one float dtype, got {q.dtype}, {kv.dtype}")
+    if attention_lse.shape != batch + (s_q, h):
+        raise ValueError(
+            f"{name}: attention_lse must be [..., S_q, H] = {batch + (s_q, h)}, got "
+            f"{attention_lse.shape}"
+        )
+    if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
+        raise TypeError(f"{name}: attention_lse must be a float array, got {attention_lse.dtype}")
+    q_pos, kv_pos, q_seg, kv_seg = _check_positions(
+        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
+        batch + (s_kv,),
+    )
+    if indices is not None:
+        indices = jnp.asarray(indices)
+        if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,) or indices.shape[-1] < 1:
+            raise ValueError(
+                f"{name}: indices must be [..., S_q, K >= 1] = {batch + (s_q,)} + (K,), got shape "
+                f"{indices.shape}"
+            )
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"{name}: indices must be an integer array, got {indices.dtype}")
+    if block_q is None:
+        d_i = index_q.shape[-1]
+        per_row = (h_i + h) * s_kv if indices is None else indices.shape[-1] * (h_i + h + d_i + d)
+        block_q = _default_block_q(s_q, per_row)
+    else:
+        block_q = _check_int(name, "block_q", block_q)
+
+    acc = _acc_dtype(index_q, index_k, index_weights, q, kv)
+    q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
+    lse = jax.lax.stop_gradient(attention_lse).astype(acc)
+    scale = float(sm_scale)
+    nb = 1
+    for n in batch:
+        nb *= n
+    args = _flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
+    q3 = q.reshape((nb, s_q, h, d))
+    kv3 = kv.reshape((nb, s_kv, d))
+    lse3 = lse.reshape((nb, s_q, h))
+    idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
+
+    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx):
+        row_ok = jnp.ones((s_q,), jnp.bool_)
+
+        def block(xs):
+            iqb, iwb, pb, sb, qb, lb, ib, okb = xs
+            if ib is None:
+                support = _visible(pb, kv_pos, sb, kv_seg)
+                score = _dense_scores(iqb, ik, iwb, acc)
+                logits = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(scale, acc)
+            else:
+                valid = (ib >= 0) & (ib < s_kv)
+                safe = jnp.where(valid, ib, 0)
+                support = valid & (kv_pos[safe] <= pb[:, None])
+                if sb is not None:
+                    support = support & (kv_seg[safe] == sb[:, None])
+                score = _sparse_scores(iqb, ik[safe], iwb, acc)
+                logits = _einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
+            support = support & okb[:, None]
+            log_pi = _masked_log_softmax(score, support)
+            # Per-head probabilities under the full denominator, summed over heads in log space.
+            log_ph = jnp.where(support[:, None, :], logits - lb[:, :, None], -jnp.inf)
+            log_t = jax.nn.logsumexp(log_ph, axis=1)
+            log_p = _masked_log_softmax(jnp.where(support, log_t, 0), support)
+            p = jnp.where(support, jnp.exp(log_p), 0)
+            kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
+            has = jnp.any(support, axis=-1)
+            return jnp.sum(jnp.where(has, kl, 0)), jnp.sum(has.astype(jnp.int32))
+
+        xs = _blocks_of(block_q, iq, iw, q_pos, q_seg, q, lse, idx, row_ok)
+        kl, count = jax.lax.map(jax.checkpoint(block), xs)
+        return jnp.sum(kl), jnp.sum(count)
+
+    kl, count = jax.vmap(one)(*args, q3, kv3, lse3, idx3)
+    kl, count = jnp.sum(kl), jnp.sum(count)
+    return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
+
+
+__all__ = ["v4_indexer_kl_loss"]

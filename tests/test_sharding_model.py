@@ -1,0 +1,148 @@
+"""The Flax DSA language model under the default logical-axis rules equals its unsharded run.
+
+The tiny GLM-5 model (2 layers, index_topk 8 < 32 tokens, so the sparse stage selects) runs on
+a dp=2, cp=2, tp=2 mesh of 8 CPU devices with its parameters and batch placed by
+:data:`jax_dsa.sharding.DEFAULT_RULES` and the layers' activation constraints; logits, the LM
+and indexer losses and every parameter gradient are compared with one device. The zigzag
+context-parallel layout (cp=4) gives the natural-order logits back after
+:func:`jax_dsa.sharding.from_zigzag`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dsa.configs import get_config
+from jax_dsa.nn import DSALanguageModel
+from jax_dsa.sharding import from_zigzag, logical_to_spec, to_zigzag
+from test_sharding import assert_close, collectives
+
+B, S = 2, 32
+
+
+def make_mesh(sizes):
+    n = int(np.prod(list(sizes.values())))
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(AxisType.Auto,) * len(sizes), devices=jax.devices()[:n])
+
+
+@functools.cache
+def model_and_batch():
+    config = get_config("glm5-tiny", index_topk=8)
+    model = DSALanguageModel(config, rngs=nnx.Rngs(0))
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    # O(1) weights so that attention and the indexer scores are far from uniform.
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: jnp.asarray(
+            1.0 + 0.2 * rng.standard_normal(x.shape) if x.ndim == 1
+            else rng.standard_normal(x.shape) * 1.5 * x.shape[-1] ** -0.5, x.dtype),
+        nnx.to_pure_dict(state))
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    ids = rng.integers(0, config.vocab_size, (B, S)).astype(np.int32)
+    seg = np.ones((B, S), np.int32)
+    seg[1, 20:] = 2  # row 1 packs two documents
+    pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
+    pos[1, 20:] -= 20
+    return graphdef, params, rest, logical, (ids, pos, seg)
+
+
+@functools.cache
+def step(graphdef, mode):
+    """Jitted: logits, losses and gradients of ``lm + indexer`` w.r.t. every parameter."""
+
+    def loss(params, rest, ids, pos, seg, targets):
+        model = nnx.merge(graphdef, params, rest)
+        logits, aux = model(ids, pos, seg, attention_mode=mode)
+        lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return lm + aux["indexer_loss"], (logits, lm, aux["indexer_loss"])
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def config_of(graphdef):
+    return nnx.merge(graphdef, model_and_batch()[1], model_and_batch()[2]).config
+
+
+def targets_of(ids):
+    return np.roll(ids, -1, axis=1)
+
+
+def place(mesh, params, logical, batch):
+    shardings = jax.tree.map(
+        lambda names, x: NamedSharding(mesh, logical_to_spec(tuple(names), mesh=mesh,
+                                                             shape=x.shape)),
+        logical, params, is_leaf=lambda x: isinstance(x, P))
+    params = jax.device_put(params, shardings)
+    tokens = NamedSharding(mesh, logical_to_spec(("batch", "sequence"), mesh=mesh))
+    return params, shardings, [jax.device_put(x, tokens) for x in batch]
+
+
+def check(got, want):
+    (_, (logits, lm, idx_loss)), grads = got
+    (_, (w_logits, w_lm, w_idx_loss)), w_grads = want
+    assert_close(logits, w_logits, what="logits")
+    assert_close(lm, w_lm, what="lm loss")
+    assert_close(idx_loss, w_idx_loss, what="indexer loss")
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+    for path, w in jax.tree_util.tree_flatten_with_path(w_grads)[0]:
+        assert_close(flat_got[path], w, what="grad " + jax.tree_util.keystr(path))
+
+
+def test_model_under_default_rules_equals_unsharded():
+    """Sparse attention (the dense form runs under context parallelism in the zigzag test)."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+    f = step(graphdef, "sparse")
+    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2})
+    with jax.set_mesh(mesh):
+        p, shardings, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        compiled = f.lower(p, rest, *batch).compile()
+        got = compiled(p, rest, *batch)
+    check(got, want)
+    # Per layer: kv and the indexer keys gathered along the sequence and their gradients
+    # reduce-scattered back; nothing of a query's shape [b, s, heads, d] is gathered.
+    ops = collectives(compiled.as_text())
+    layers = len(params["layers"])
+    b, s = B // 2, S // 2
+    d_qk = config_of(graphdef).kv_lora_rank + config_of(graphdef).qk_rope_head_dim
+    d_i = config_of(graphdef).index_head_dim
+    gathers = sorted(s_ for op, shapes in ops if op == "all-gather" for s_ in shapes)
+    assert not [g for g in gathers if len(g) == 4], ops
+    assert gathers.count((b, S, d_qk)) == layers and gathers.count((b, S, d_i)) == layers, ops
+    scatters = sorted(s_ for op, shapes in ops if op == "reduce-scatter" for s_ in shapes)
+    assert scatters == sorted([(b, s, d_qk)] * layers + [(b, s, d_i)] * layers), ops
+    # The rules really split the model: heads and the MLP over tp, tokens over dp and cp.
+    attn = shardings["layers"][0]["self_attn"]
+    assert attn["q_b_proj"]["weight"].spec == P("tp", None)
+    assert attn["o_proj"]["weight"].spec == P(None, "tp")
+    assert attn["indexer"]["wq_b"]["weight"].spec == P(None, None)  # duplicated indexer
+    assert shardings["layers"][0]["mlp"]["down_proj"]["weight"].spec == P(None, "tp")
+    assert got[0][1][0].sharding.spec == P("dp", "cp", "tp")  # logits [batch, seq, vocab]
+    assert got[1]["layers"][0]["self_attn"]["q_b_proj"]["weight"].sharding.spec == P("tp", None)
+
+
+def test_zigzag_layout_gives_the_natural_order_back():
+    """Tokens, positions and segment ids in zigzag order on cp=4: the logits, put back in
+    natural order, and the losses and gradients equal the unsharded natural-order run (dense
+    attention: every visible key, so no top-k ties can differ)."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+    f = step(graphdef, "dense")
+    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    cp = 4
+    zz = [to_zigzag(x, cp) for x in (ids, pos, seg, targets_of(ids))]
+    assert not np.array_equal(zz[1], pos)
+    mesh = make_mesh({"cp": cp})
+    with jax.set_mesh(mesh):
+        p, _, batch = place(mesh, params, logical, zz)
+        (total, (logits, lm, idx_loss)), grads = f(p, rest, *batch)
+    logits = from_zigzag(logits, cp)
+    check(((total, (logits, lm, idx_loss)), grads), want)

@@ -1,0 +1,72 @@
+"""Logical axis rules (jax_dsa.sharding.rules) and the activation-constraint helper
+(jax_dsa.sharding.constraints) on Auto, Explicit and Manual meshes of CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_dsa.sharding import DEFAULT_RULES, axis_rules, constrain, current_rules, logical_to_spec
+from test_sharding import make_mesh
+
+
+def test_default_rules_map_the_model_axes():
+    table = dict(DEFAULT_RULES)
+    assert (table["batch"], table["sequence"], table["heads"]) == ("dp", "cp", "tp")
+    assert table["index_heads"] is None  # duplicated indexer: identical top-k on head shards
+    assert logical_to_spec(("batch", "sequence", "heads", None)) == P("dp", "cp", "tp", None)
+    assert logical_to_spec(("embed", "vocab")) == P(None, "tp")
+
+
+def test_logical_to_spec_skips_missing_axes_indivisible_dims_and_reuse():
+    mesh = make_mesh({"dp": 2, "tp": 4})
+    assert logical_to_spec(("batch", "sequence"), mesh=mesh) == P("dp", None)  # no cp axis
+    assert logical_to_spec(("heads", "q_lora"), mesh=mesh, shape=(6, 8)) == P(None, None)
+    assert logical_to_spec(("heads", "q_lora"), mesh=mesh, shape=(8, 8)) == P("tp", None)
+    assert logical_to_spec(("heads", "mlp"), mesh=mesh) == P("tp", None)  # tp used once
+    rules = (("batch", ("dp", "tp")),)
+    assert logical_to_spec(("batch",), rules, mesh, (16,)) == P(("dp", "tp"))
+    with pytest.raises(ValueError, match="axis names for shape"):
+        logical_to_spec(("batch",), shape=(2, 3))
+
+
+def test_axis_rules_context_overrides_the_default():
+    assert current_rules() == DEFAULT_RULES
+    with axis_rules((("sequence", None), ("batch", "dp"))):
+        assert logical_to_spec(("batch", "sequence")) == P("dp", None)
+    assert current_rules() == DEFAULT_RULES
+
+
+def test_constrain_on_auto_explicit_and_manual_meshes():
+    x = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4, 8, 3)
+    names = ("batch", "sequence", None)
+    assert constrain(x, names) is x  # no mesh: nothing to do
+    with pytest.raises(ValueError, match="axis names"):
+        constrain(x, ("batch",))
+
+    f = jax.jit(lambda x: constrain(x * 2, names))
+    mesh = make_mesh({"dp": 2, "cp": 2})
+    with jax.set_mesh(mesh):
+        y = f(x)  # replicated input: the constraint splits the result
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "cp", None)), 3)
+    np.testing.assert_array_equal(y, 2 * x)
+
+    explicit = make_mesh({"dp": 2, "cp": 2}, AxisType.Explicit)
+    with jax.set_mesh(explicit):
+        y = jax.jit(lambda x: constrain(x * 2, names))(x)
+        assert jax.typeof(y).sharding.spec == P("dp", "cp", None)  # part of the type
+        with axis_rules((("batch", "dp"),)):
+            y = jax.jit(lambda x: constrain(x + 1, names))(x)
+            assert jax.typeof(y).sharding.spec == P("dp", None, None)
+    np.testing.assert_array_equal(y, x + 1)
+
+    def body(x):  # inside shard_map: the local block is left alone
+        return constrain(x, names) + 1
+
+    y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(x)
+    np.testing.assert_array_equal(y, x + 1)
+    assert jnp.asarray(y).shape == x.shape
