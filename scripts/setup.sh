@@ -3,6 +3,7 @@
 # and its test tools, pinned by constraints.txt. Idempotent: re-running re-installs only when the
 # build inputs (pyproject.toml, constraints.txt, CMakeLists.txt, ffi/) changed.
 # JAX_DSA_CUDA=OFF skips the CUDA module; ON makes a missing toolchain an error.
+# JAX_DSA_CUDA_SM100=OFF skips the compile-only SM100/SM103 kernel export (default ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,8 +36,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.jax_dsa-installed
-changed() {  # anything the install depends on newer than the stamp?
+# The build switches are part of the install: a change of either rebuilds.
+settings="JAX_DSA_CUDA=${JAX_DSA_CUDA:-AUTO} JAX_DSA_CUDA_SM100=${JAX_DSA_CUDA_SM100:-ON}"
+changed() {  # anything the install depends on newer than the stamp, or other switches?
   [ ! -f "$stamp" ] && return 0
+  [ "$(cat "$stamp")" != "$settings" ] && return 0
   [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ]
 }
 if changed; then
@@ -55,5 +59,5 @@ if changed; then
     pip_q -r scripts/cuda-build-requirements.txt
   fi
   pip_q --no-build-isolation -e ".[test]"
-  touch "$stamp"
+  echo "$settings" > "$stamp"
 fi
