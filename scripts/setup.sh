@@ -3,6 +3,7 @@
 # and its test tools, pinned by constraints.txt. Idempotent: re-running re-installs only when the
 # build inputs (pyproject.toml, constraints.txt, CMakeLists.txt, ffi/) changed.
 # JAX_DSA_CUDA=OFF skips the CUDA module; ON makes a missing toolchain an error.
+# JAX_DSA_CUDA_SM100=OFF skips the compile-only SM100/SM103 kernel export (default ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,12 +36,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.jax_dsa-installed
-modules() { find jax_dsa -name '*.py' | sort; }
-changed() {  # anything the install depends on newer than the stamp, or a module added/removed?
+# The build switches and the module list are part of the install: a change of either rebuilds.
+settings="JAX_DSA_CUDA=${JAX_DSA_CUDA:-AUTO} JAX_DSA_CUDA_SM100=${JAX_DSA_CUDA_SM100:-ON}"
+install_state() { echo "$settings"; find jax_dsa -name '*.py' | sort; }
+changed() {  # anything the install depends on newer than the stamp, or other switches/modules?
   [ ! -f "$stamp" ] && return 0
-  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ] && return 0
   # The editable install (scikit-build-core "redirect" mode) maps the modules it saw when built.
-  [ "$(modules)" != "$(cat "$stamp")" ]
+  [ "$(cat "$stamp")" != "$(install_state)" ] && return 0
+  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ]
 }
 if changed; then
   pip_q() { .venv/bin/python -m pip install -q -c constraints.txt "$@"; }
@@ -58,7 +61,7 @@ if changed; then
     pip_q -r scripts/cuda-build-requirements.txt
   fi
   pip_q --no-build-isolation -e ".[test]"
-  modules >"$stamp"
+  install_state >"$stamp"
 fi
 
 # Reference interpreter for tests/test_interop_hf.py: transformers' own GLM-5 / DeepSeek V3.2
