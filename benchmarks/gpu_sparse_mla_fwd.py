@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -195,6 +196,58 @@ def jax_path_check(case, sm_scale, kern):
     return bool(same)
 
 
+def end_to_end(results):
+    """sparse_mla(..., implementation="cuda") (own forward + cuDNN backward): out, lse and
+    jax.grad against "xla" run in float32 on the same bf16 inputs; head padding, batch folding,
+    -1 / out-of-range slots, an empty row, topk_length and a sink."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dsa import sparse_mla
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    b, s_q, s_kv, h, d, k = 2, 50, 400, 16, 576, 300
+    q = jnp.asarray(rng.standard_normal((b, s_q, h, d)) * 0.5, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s_kv, d)), jnp.bfloat16)
+    idx = rng.integers(0, s_kv, (b, s_q, k)).astype(np.int32)
+    u = rng.random(idx.shape)
+    idx = np.where(u < 0.15, -1, np.where(u < 0.18, s_kv + 3, idx)).astype(np.int32)
+    idx[:, 5] = -1
+    length = rng.integers(0, k + 1, (b, s_q)).astype(np.int32)
+    sink = jnp.asarray(rng.standard_normal(h) * 1.5, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, s_q, h, 512)), jnp.float32)
+    idx, length = jnp.asarray(idx), jnp.asarray(length)
+
+    def loss(q, kv, sink, impl, dt):
+        out, lse = sparse_mla(q.astype(dt), kv.astype(dt), idx, sm_scale=0.06, d_v=512,
+                              attn_sink=sink, topk_length=length, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * w), (out, lse)
+
+    g = {}
+    for impl, dt in (("cuda", jnp.bfloat16), ("xla", jnp.float32)):
+        (val, (out, lse)), grads = jax.jit(jax.value_and_grad(
+            lambda a, c, e: loss(a, c, e, impl, dt), argnums=(0, 1, 2), has_aux=True))(q, kv, sink)
+        g[impl] = [np.asarray(x, np.float64) for x in (out, lse) + tuple(grads)]
+    names = ("out", "lse", "dq", "dkv", "d_attn_sink")
+    r = {}
+    for n, a, ref in zip(names, g["cuda"], g["xla"]):
+        fin = np.isfinite(ref)
+        same_inf = bool(np.array_equal(np.isfinite(a), fin))
+        r[n] = float(np.linalg.norm(a[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30))
+        r[n + "_nonfinite_match"] = same_inf
+    ok = all(r[n] <= 1e-2 and r[n + "_nonfinite_match"] for n in names)
+    lowered = jax.jit(jax.grad(lambda a, c, e: loss(a, c, e, "cuda", jnp.bfloat16)[0])).lower(
+        q, kv, sink).as_text()
+    calls = sorted(set(re.findall(r"stablehlo.custom_call @(\w+)", lowered)))
+    r["custom_calls"] = calls
+    ok &= "jax_dsa_sparse_mla_fwd_cuda" in calls and "jax_dsa_dsa_bwd_cuda" in calls
+    r["passed"] = bool(ok)
+    results.append(r)
+    print(f"{'PASS' if ok else 'FAIL'} end to end (cuda vs xla, bf16 tolerance 1e-2): " +
+          ", ".join(f"{n} {r[n]:.1e}" for n in names) + f"; custom calls {calls}", flush=True)
+    return ok
+
+
 def accuracy(kern, results):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cases = [
@@ -212,6 +265,11 @@ def accuracy(kern, results):
         first = first or case
         ok &= check_case(kern, name, case, 1.0 / math.sqrt(kw["d"]) * 1.3, results)
     ok &= jax_path_check(first, 0.07, kern)
+    try:
+        ok &= end_to_end(results)
+    except Exception as e:  # noqa: BLE001 - reported, counts as a failure
+        print(f"FAIL end to end: {type(e).__name__}: {e}", flush=True)
+        ok = False
     return ok
 
 

@@ -286,17 +286,17 @@ class SparseMlaFwdSm90:
                     blk = bp * STAGES + stage
                     if blk < n_blk:
                         # slot validity of this thread's columns (reads overlap the gather)
+                        # element i is column 2 * (i // 4) + i % 2 (+ the thread's base) and
+                        # row half (i // 2) % 2: elements i and i + 2 share a column
                         for i in cutlass.range_constexpr(n_s):
-                            if const_expr(i % 2 == 0 and (i // 2) % 2 == 0):
+                            if const_expr((i // 2) % 2 == 0):
                                 pos = blk * TILE_N + cS[i][1]
                                 kv_row = Int32(-1)
                                 if pos < n_len:
                                     kv_row = mIdx[s, pos]
                                 valid[i] = kv_row >= 0 and kv_row < s_kv
-                            elif const_expr(i % 2 == 0):
-                                valid[i] = valid[i - 2]
                             else:
-                                valid[i] = valid[i - 1]
+                                valid[i] = valid[i - 2]
                         cute.arch.mbarrier_wait(full + stage, bp % 2)
                         cute.arch.fence_view_async_shared()
                         self._gemm(mma_s, acc_s, tSrQ, tSrK[stage], True)
