@@ -280,8 +280,10 @@ class SparseMlaFwdSm90:
 
             acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((TILE_M, D_V)), Float32)
             acc_o.fill(0.0)
-            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
-            n_s = cute.size(acc_s)
+            # one S accumulator per stage: S(j+1) is in flight while block j's P V is
+            acc_ss = [cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
+                      for _ in range(STAGES)]
+            n_s = cute.size(acc_ss[0])
             n_o = cute.size(acc_o)
             # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
             row_max = cute.make_rmem_tensor((2,), Float32)
@@ -303,12 +305,13 @@ class SparseMlaFwdSm90:
                 self._load_valid(valid, cS, mIdx, s, 0, n_len, s_kv, n_s)
                 cute.arch.mbarrier_wait(full, 0)
                 cute.arch.fence_view_async_shared()
-                self._gemm(mma_s, acc_s, tSrQ, tSrK[0], True)
+                self._gemm(mma_s, acc_ss[0], tSrQ, tSrK[0], True)
             n_pair = (n_blk + 1) // 2
             for bp in cutlass.range(n_pair, unroll=1):
                 for stage in cutlass.range_constexpr(STAGES):
                     blk = bp * STAGES + stage
                     if blk < n_blk:
+                        acc_s = acc_ss[stage]
                         warpgroup.wait_group(0)
                         # block row max over both warpgroups
                         m_loc = cute.make_rmem_tensor((2,), Float32)
@@ -357,7 +360,7 @@ class SparseMlaFwdSm90:
                             self._load_valid(valid, cS, mIdx, s, nxt, n_len, s_kv, n_s)
                             cute.arch.mbarrier_wait(full + (1 - stage), (nxt // 2) % 2)
                             cute.arch.fence_view_async_shared()
-                            self._gemm(mma_s, acc_s, tSrQ, tSrK[1 - stage], True)
+                            self._gemm(mma_s, acc_ss[1 - stage], tSrQ, tSrK[1 - stage], True)
                             warpgroup.wait_group(1)
                         else:
                             warpgroup.wait_group(0)
