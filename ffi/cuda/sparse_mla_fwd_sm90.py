@@ -162,22 +162,6 @@ class SparseMlaFwdSm90:
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
-    @cute.jit
-    def _load_valid(self, valid: cute.Tensor, cS: cute.Tensor, mIdx: cute.Tensor, s: Int32,
-                    blk: Int32, n_len: Int32, s_kv: Int32, n_s: cutlass.Constexpr[int]):
-        """Slot validity of this thread's S columns in block blk. Accumulator element i is
-        column 2 * (i // 4) + i % 2 (+ the thread's base) and row half (i // 2) % 2, so
-        elements i and i + 2 share a column."""
-        for i in cutlass.range_constexpr(n_s):
-            if const_expr((i // 2) % 2 == 0):
-                pos = blk * TILE_N + cS[i][1]
-                kv_row = Int32(-1)
-                if pos < n_len:
-                    kv_row = mIdx[s, pos]
-                valid[i] = kv_row >= 0 and kv_row < s_kv
-            else:
-                valid[i] = valid[i - 2]
-
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
@@ -280,10 +264,8 @@ class SparseMlaFwdSm90:
 
             acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((TILE_M, D_V)), Float32)
             acc_o.fill(0.0)
-            # one S accumulator per stage: S(j+1) is in flight while block j's P V is
-            acc_ss = [cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
-                      for _ in range(STAGES)]
-            n_s = cute.size(acc_ss[0])
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
+            n_s = cute.size(acc_s)
             n_o = cute.size(acc_o)
             # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
             row_max = cute.make_rmem_tensor((2,), Float32)
@@ -298,20 +280,26 @@ class SparseMlaFwdSm90:
             valid = cute.make_rmem_tensor((n_s,), Boolean)
 
             cute.arch.mbarrier_wait(q_full, 0)
-            # Software pipeline: S of block j+1 is issued right behind P V of block j, so the
-            # tensor cores run both back to back while the threads wait; the masks of j+1 are
-            # read meanwhile. Outstanding wgmma groups at the top of block j: S(j) only.
-            if n_blk > 0:
-                self._load_valid(valid, cS, mIdx, s, 0, n_len, s_kv, n_s)
-                cute.arch.mbarrier_wait(full, 0)
-                cute.arch.fence_view_async_shared()
-                self._gemm(mma_s, acc_ss[0], tSrQ, tSrK[0], True)
             n_pair = (n_blk + 1) // 2
             for bp in cutlass.range(n_pair, unroll=1):
                 for stage in cutlass.range_constexpr(STAGES):
                     blk = bp * STAGES + stage
                     if blk < n_blk:
-                        acc_s = acc_ss[stage]
+                        # slot validity of this thread's columns (reads overlap the gather)
+                        # element i is column 2 * (i // 4) + i % 2 (+ the thread's base) and
+                        # row half (i // 2) % 2: elements i and i + 2 share a column
+                        for i in cutlass.range_constexpr(n_s):
+                            if const_expr((i // 2) % 2 == 0):
+                                pos = blk * TILE_N + cS[i][1]
+                                kv_row = Int32(-1)
+                                if pos < n_len:
+                                    kv_row = mIdx[s, pos]
+                                valid[i] = kv_row >= 0 and kv_row < s_kv
+                            else:
+                                valid[i] = valid[i - 2]
+                        cute.arch.mbarrier_wait(full + stage, bp % 2)
+                        cute.arch.fence_view_async_shared()
+                        self._gemm(mma_s, acc_s, tSrQ, tSrK[stage], True)
                         warpgroup.wait_group(0)
                         # block row max over both warpgroups
                         m_loc = cute.make_rmem_tensor((2,), Float32)
@@ -355,15 +343,7 @@ class SparseMlaFwdSm90:
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=2, number_of_threads=256)
                         self._gemm(mma_o, acc_o, tOrP, tOrV[stage], False)
-                        nxt = blk + 1
-                        if nxt < n_blk:
-                            self._load_valid(valid, cS, mIdx, s, nxt, n_len, s_kv, n_s)
-                            cute.arch.mbarrier_wait(full + (1 - stage), (nxt // 2) % 2)
-                            cute.arch.fence_view_async_shared()
-                            self._gemm(mma_s, acc_ss[1 - stage], tSrQ, tSrK[1 - stage], True)
-                            warpgroup.wait_group(1)
-                        else:
-                            warpgroup.wait_group(0)
+                        warpgroup.wait_group(0)
                         cute.arch.mbarrier_arrive(empty + stage)
 
             # ---------------- epilogue ----------------
