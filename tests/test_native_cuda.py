@@ -241,3 +241,36 @@ def test_sm100_artifacts_are_not_linked_into_the_cuda_module():
         assert a["symbols"]["wrapper"].encode() not in module
         assert a["object"][:-2].encode() not in module
     assert b"jax_dsa_dsa_bwd_main_h64_d576_k2048" in module  # the SM90 kernels are
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 640, 128)])
+def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, hp):
+    b, s_q, s_kv = 2, 70, 90
+    q = jax.ShapeDtypeStruct((b, s_q, h, d_qk), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s_kv, d_qk), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((b, s_q, k), jnp.int32)
+    sink = jax.ShapeDtypeStruct((h,), jnp.float32)
+
+    def loss(q, kv, sink, idx):
+        out, _ = sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, attn_sink=sink,
+                            implementation="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    text = (jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, sink, idx)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    fwd = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_FWD_TARGET]
+    assert len(fwd) == 1, set(c[0] for c in calls)
+    assert sum(c[0] == sparse_mla_ffi.CUDA_BWD_TARGET for c in calls) == 1
+    _, _, attrs, operand_types, result_types = fwd[0]
+    t = b * s_q
+    # Batch folded into tokens, heads padded to 64/128, slots passed as they are.
+    assert f"tensor<{t}x{hp}x{d_qk}xbf16>" in operand_types
+    assert f"tensor<{b * s_kv}x{d_qk}xbf16>" in operand_types
+    assert f"tensor<{t}x{k}xi32>" in operand_types
+    assert f"tensor<{t}x{hp}x512xbf16>" in result_types
+    # No XLA gather of kv rows: the only gathers are of int32 slot ids (the backward's glue).
+    for line in text.splitlines():
+        if "stablehlo.gather" in line:
+            assert "bf16" not in line and "f32" not in line, line

@@ -248,15 +248,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaInit, jax_dsa::Initialize,
                                   .RemainingRets()
                                   .Attrs());
 
+// The forward's handlers (sparse_mla_fwd_cuda.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaInit);
+
 namespace nb = nanobind;
 
 NB_MODULE(_cuda, m) {
-  m.doc() = "jax_dsa CUDA sparse MLA backward (cuDNN frontend SM90 DSA kernels, AOT; XLA FFI API 0.4).";
+  m.doc() = "jax_dsa CUDA sparse MLA: own SM90 forward and the cuDNN frontend's SM90 DSA backward (AOT; XLA FFI API 0.4).";
   m.def("registrations", [](bool graphs) {
     nb::dict d, stages;
     stages["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaDsaBwdCudaInit));
     stages["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaDsaBwdCuda : JaxDsaDsaBwdCudaNoGraph));
     d["jax_dsa_dsa_bwd_cuda"] = stages;
+    nb::dict fwd;
+    fwd["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
+    fwd["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaSparseMlaFwdCuda : JaxDsaSparseMlaFwdCudaNoGraph));
+    d["jax_dsa_sparse_mla_fwd_cuda"] = fwd;
     return d;
   }, nb::arg("graphs") = true);
   m.def("workspace_bytes", &jax_dsa::WorkspaceBytes, nb::arg("s_q"), nb::arg("s_kv"), nb::arg("h"), nb::arg("d"),

@@ -73,8 +73,9 @@ def sparse_mla(
         (``-inf`` = no sink). It does not enter ``lse``.
       topk_length: optional ``[..., S_q]`` integer count of leading slots to use per query.
       implementation: ``"xla"`` (pure JAX, any platform), ``"cpu"`` (C++ XLA FFI handlers on the
-        host), ``"cuda"`` (the reference forward with the cuDNN frontend's SM90 DSA backward,
-        compiled ahead of time; bfloat16, H <= 128, D_qk 512 or 576, d_v 512), or ``None``:
+        host), ``"cuda"`` (jax_dsa's own SM90 forward, FlashMLA v2 contract, with the cuDNN
+        frontend's SM90 DSA backward, both compiled ahead of time; bfloat16, H <= 128, D_qk 512
+        or 576, d_v 512), or ``None``:
         ``"cuda"`` on an SM90+ GPU when it supports the call, else ``"cpu"`` on the host, else
         ``"xla"``. :data:`AVAILABLE` lists what this install has built.
 
@@ -228,6 +229,9 @@ def _sparse_mla(q, kv, indices, sink, lengths, config):
 @partition.sparse_mla_forward  # splits over the mesh in context (jax_dsa.sharding)
 def _forward(q, kv, indices, sink, lengths, config):
     sm_scale, d_v, impl, block_q = config
+    if impl == "cuda":
+        return sparse_mla_ffi.cuda_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
+                                           d_v=d_v)
     if impl == "cpu":
         out, lse = sparse_mla_ffi.cpu_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
                                               d_v=d_v)

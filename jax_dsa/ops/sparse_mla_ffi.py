@@ -57,7 +57,7 @@ def cpu_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_s
                 dout.astype(q.dtype), sm_scale=np.float64(sm_scale), d_v=np.int64(d_v))
 
 
-# --- "cuda": the cuDNN frontend's SM90 DSA backward, exported ahead of time (ffi/cuda) ---------
+# --- "cuda": own SM90 forward + the cuDNN frontend's SM90 DSA backward, exported ahead of time (ffi/cuda)
 
 CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
 # Compiled slot widths (ffi/cuda/export_dsa_bwd.py SLOT_BUCKETS): indices are padded with -1 to
@@ -90,6 +90,55 @@ def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None
     if k > SLOT_BUCKETS[-1]:
         return f"implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots (K), got {k}"
     return None
+
+
+CUDA_FWD_TARGET = "jax_dsa_sparse_mla_fwd_cuda"
+
+
+def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, with_max_logits=False):
+    """GPU forward through jax_dsa's own AOT SM90 kernel (FlashMLA v2 contract, ffi/cuda/
+    sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16 and ``lse [B, S_q, H]`` float32
+    (natural log, sink-free, +inf for rows without a valid slot), plus ``max_logits [B, S_q, H]``
+    float32 (-inf for such rows) when ``with_max_logits``.
+
+    Glue: batch folded into tokens (valid slots offset by ``b * S_kv``, invalid ones set to -1 so
+    the offset cannot make them valid); heads padded to 64 or 128 (zero q, sink -inf), then
+    sliced. Slots past ``topk_length`` are skipped by the kernel itself.
+    """
+    nb, s_q, h, d_qk = q.shape
+    s_kv = kv.shape[1]
+    k = indices.shape[-1]
+    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
+    if why:
+        raise ValueError("sparse_mla: " + why)
+    hp = KERNEL_HEADS[0] if h <= KERNEL_HEADS[0] else KERNEL_HEADS[1]
+    bf = jnp.bfloat16
+    valid = (indices >= 0) & (indices < s_kv)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    idx = jnp.where(valid, indices + offset, -1).astype(jnp.int32)
+    q = q.astype(bf)
+    sink = attn_sink.astype(jnp.float32)
+    if hp > h:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+        sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
+    t = nb * s_q
+    call = jax.ffi.ffi_call(
+        CUDA_FWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((t, hp, d_v), bf),
+            jax.ShapeDtypeStruct((t, hp), jnp.float32),
+            jax.ShapeDtypeStruct((t, hp), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    out, lse, mx = call(q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk),
+                        idx.reshape(t, k), topk_length.astype(jnp.int32).reshape(t), sink,
+                        sm_scale=np.float32(sm_scale))
+    out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
+    lse = lse.reshape(nb, s_q, hp)[:, :, :h]
+    if with_max_logits:
+        return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
+    return out, lse
 
 
 def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:

@@ -1,0 +1,168 @@
+// XLA FFI handler for the CUDA sparse MLA forward: jax_dsa's own SM90 kernel
+// (sparse_mla_fwd_sm90.py, CuTe DSL), compiled ahead of time by export_sparse_mla_fwd.py and
+// launched here on XLA's stream with no compiler, no PyTorch and no allocation at run time.
+//
+// Contract (FlashMLA v2 sparse prefill; the glue in jax_dsa/ops/sparse_mla_ffi.py prepares it):
+// flat tokens, bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] (any K >= 1;
+// a slot is used iff its position < topk_length and 0 <= index < S_kv), attn_sink [H] (-inf for
+// none). Results: out [S_q, H, 512] bf16, lse [S_q, H] natural log and sink-free (+inf for rows
+// without a valid slot), max_logits [S_q, H] (-inf for such rows).
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "cuda/sparse_mla_fwd_variants.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_dsa {
+namespace {
+
+constexpr int64_t kDv = 512;
+
+const SparseMlaFwdKernel* FindFwd(int h, int d) {
+  for (int i = 0; i < kNumSparseMlaFwdKernels; ++i)
+    if (kSparseMlaFwdKernels[i].h == h && kSparseMlaFwdKernels[i].d == d) return &kSparseMlaFwdKernels[i];
+  return nullptr;
+}
+
+std::once_flag g_fwd_load_once;
+cudaError_t g_fwd_load_error = cudaSuccess;
+
+cudaError_t LoadFwd() {
+  std::call_once(g_fwd_load_once, [] {
+    cudaGetLastError();
+    for (int i = 0; i < kNumSparseMlaFwdKernels; ++i) kSparseMlaFwdKernels[i].load();
+    g_fwd_load_error = cudaGetLastError();
+  });
+  return g_fwd_load_error;
+}
+
+ffi::Error FwdCudaError(const std::string& what, cudaError_t e) {
+  return ffi::Error::Internal("jax_dsa sparse_mla cuda forward: " + what + ": " + cudaGetErrorName(e) +
+                              " (" + cudaGetErrorString(e) + ")");
+}
+
+ffi::Error FwdInvalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_dsa sparse_mla cuda forward: " + msg);
+}
+
+std::string FwdDims(ffi::Span<const int64_t> d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+template <typename B>
+bool Shaped(const B& b, std::initializer_list<int64_t> want) {
+  auto d = b.dimensions();
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) if (d[i++] != w) return false;
+  return true;
+}
+
+ffi::Error Launch(const SparseMlaFwdKernel* kern, const SparseMlaFwdLaunch& a) {
+  int32_t rc = kern->run(a);
+  cudaError_t e = cudaGetLastError();
+  if (rc != 0 || e != cudaSuccess)
+    return FwdCudaError(std::string("launching ") + kern->name + " (rc " + std::to_string(rc) + ")",
+                        e != cudaSuccess ? e : cudaErrorLaunchFailure);
+  return ffi::Error::Success();
+}
+
+ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
+  cudaError_t e = LoadFwd();
+  return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError("loading the kernel modules", e);
+}
+
+ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                   ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                   ffi::Buffer<ffi::F32, 1> attn_sink, ffi::ResultBuffer<ffi::BF16, 3> out,
+                   ffi::ResultBuffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> max_logits,
+                   float sm_scale) {
+  const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
+  const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
+  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + FwdDims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + FwdDims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + FwdDims(topk_length.dimensions()) + " must be [S_q]");
+  if (!Shaped(attn_sink, {h})) return FwdInvalid("attn_sink " + FwdDims(attn_sink.dimensions()) + " must be [H]");
+  if (!Shaped(*out, {s_q, h, kDv}) || !Shaped(*lse, {s_q, h}) || !Shaped(*max_logits, {s_q, h}))
+    return FwdInvalid("results must be out [S_q, H, 512], lse [S_q, H], max_logits [S_q, H]");
+  if (s_q == 0) return ffi::Error::Success();
+  if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
+  if (s_q * (h / 64) > INT32_MAX || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
+    return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
+  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d));
+  if (!kern)
+    return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
+                      " (H must be 64 or 128, D_qk 512 or 576)");
+  if (cudaError_t e = LoadFwd(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+  SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
+                       attn_sink.typed_data(), out->untyped_data(), lse->typed_data(),
+                       max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream};
+  return Launch(kern, a);
+}
+
+}  // namespace
+}  // namespace jax_dsa
+
+// Benchmark harness (through ctypes): the same kernel launched from raw device pointers on a
+// private stream, no XLA. CUDA-event time of each of `iters` launches into ms_events.
+// Returns 0, or a CUDA error code (negative: no such variant / launch failure).
+extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw_bench(
+    const void* q, const void* kv, const int32_t* indices, const int32_t* topk_length,
+    const float* attn_sink, void* out, float* lse, float* max_logits, int s_q, int s_kv, int h,
+    int d, int k, float sm_scale, int iters, float* ms_events) {
+  using namespace jax_dsa;
+  const SparseMlaFwdKernel* kern = FindFwd(h, d);
+  if (!kern) return -1;
+  if (LoadFwd() != cudaSuccess) return int(g_fwd_load_error);
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) return int(e);
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  SparseMlaFwdLaunch a{q, kv, indices, topk_length, attn_sink, out, lse, max_logits, s_q, s_kv, k,
+                       sm_scale, stream};
+  int rc = 0;
+  for (int i = 0; i < iters && rc == 0; ++i) {
+    cudaEventRecord(e0, stream);
+    if (Launch(kern, a).failure()) rc = -2;
+    cudaEventRecord(e1, stream);
+    if (cudaError_t e = cudaEventSynchronize(e1); e != cudaSuccess) rc = int(e);
+    cudaEventElapsedTime(&ms_events[i], e0, e1);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+  return rc;
+}
+
+#define JAX_DSA_FWD_BINDING                                          \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* q */                     \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>()  /* kv */                    \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()   /* indices */               \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()   /* topk_length */           \
+      .Arg<ffi::Buffer<ffi::F32, 1>>()   /* attn_sink */             \
+      .Ret<ffi::Buffer<ffi::BF16, 3>>()  /* out */                   \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()   /* lse */                   \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()   /* max_logits */            \
+      .Attr<float>("sm_scale")
+
+// Capture-safe like the backward: one kernel launch on XLA's stream, modules loaded in INITIALIZE.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCuda, jax_dsa::Forward, JAX_DSA_FWD_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaNoGraph, jax_dsa::Forward, JAX_DSA_FWD_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaInit, jax_dsa::FwdInitialize,
+                              ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs());

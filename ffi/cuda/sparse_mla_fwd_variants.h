@@ -1,0 +1,36 @@
+// Interface of the generated dispatch table (sparse_mla_fwd_variants.cc, written by
+// export_sparse_mla_fwd.py): jax_dsa's own SM90 sparse MLA forward, exported ahead of time.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_dsa {
+
+// One forward launch on flat tokens (batch folded by the caller).
+struct SparseMlaFwdLaunch {
+  const void* q;              // [S_q, H, D] bf16
+  const void* kv;             // [S_kv, D] bf16
+  const int32_t* indices;     // [S_q, K]
+  const int32_t* topk_length; // [S_q]
+  const float* attn_sink;     // [H], -inf for none
+  void* out;                  // [S_q, H, 512] bf16
+  float* lse;                 // [S_q, H]
+  float* max_logits;          // [S_q, H]
+  int32_t s_q, s_kv, topk;
+  float sm_scale;
+  cudaStream_t stream;
+};
+
+struct SparseMlaFwdKernel {
+  int h, d;
+  const char* name;
+  void (*load)();
+  int32_t (*run)(const SparseMlaFwdLaunch&);
+};
+
+extern const SparseMlaFwdKernel kSparseMlaFwdKernels[];
+extern const int kNumSparseMlaFwdKernels;
+
+}  // namespace jax_dsa
