@@ -284,6 +284,7 @@ def _custom_partitioning_call(local, args, roles, results):
 def _shard_map_call(mesh, local, args, roles, results):
     specs = [jax.typeof(x).sharding.spec for x in args]
     layout = derive_layout(dict(mesh.shape), roles, [x.shape for x in args], specs)
+
     def split_like_queries(r, spec):
         dims = [d for d, c in enumerate(r) if c == "t"]
         return bool(dims) and layout.scatter_t and all(
