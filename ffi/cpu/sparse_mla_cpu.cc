@@ -348,8 +348,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward. dkv is accumulated per worker (slots of different queries may name the same row)
-// and reduced once per batch element; d_attn_sink likewise.
+// Backward. dkv is accumulated per task (slots of different queries may name the same row) and
+// reduced once per batch element in task order; d_attn_sink likewise.
 template <typename T>
 ffi::Error Backward(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* kv,
                     const int32_t* indices, const typename Acc<T>::type* sink,
@@ -382,18 +382,23 @@ ffi::Error Backward(ffi::ThreadPool& pool, const Problem& p, const T* q, const T
     T* dq_b = dq + b * s_q * h * d;
     std::fill(used.begin(), used.end(), 0);
 
-    auto body = [&](int slot, int64_t begin, int64_t end) {
-      std::vector<A>& acc = dkv_acc[slot];
-      if (!used[slot]) {
+    // Each task owns a fixed range of queries and its own accumulators, reduced in task order:
+    // the result does not depend on which thread ran which task (deterministic gradients).
+    const int64_t chunk = (s_q + max_workers - 1) / max_workers;
+    auto body = [&](int, int64_t task_begin, int64_t task_end) {
+      for (int64_t t = task_begin; t < task_end; ++t) {
+        const int64_t begin = t * chunk, end = std::min(s_q, begin + chunk);
+        if (begin >= end) continue;
+        std::vector<A>& acc = dkv_acc[t];
         acc.assign(s_kv * d, A(0));
-        std::fill(dsink_acc[slot].begin(), dsink_acc[slot].end(), A(0));
-        used[slot] = 1;
+        std::fill(dsink_acc[t].begin(), dsink_acc[t].end(), A(0));
+        used[t] = 1;
+        BwdRows rows{q_b, kv_b, idx_b, len_b, sink_b, out_b, lse_b, dout_b, dq_b,
+                     acc.data(), dsink_acc[t].data(), begin, end};
+        kern.backward(DtypeOf<T>(), shape, rows);
       }
-      BwdRows rows{q_b, kv_b, idx_b, len_b, sink_b, out_b, lse_b, dout_b, dq_b,
-                   acc.data(), dsink_acc[slot].data(), begin, end};
-      kern.backward(DtypeOf<T>(), shape, rows);
     };
-    ParallelFor(pool, s_q, 4, max_workers, body);
+    ParallelFor(pool, max_workers, 1, max_workers, body);
 
     T* dkv_b = dkv + b * s_kv * d;
     A* dsink_dst = dsink_total.data() + (b / dsink_div) * h;
