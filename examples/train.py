@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset name for jax_dsa.configs.get_config")
     g.add_argument("--implementation", default=None,
                    help="sparse_mla implementation: xla, cpu, cuda; None: best available")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype of the model (parameters stay float32); the GPU kernels "
+                        "(--implementation cuda) take bfloat16")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_positive_int, default=120,
                    help="total optimizer steps (also the length of the learning-rate schedule)")
@@ -496,7 +499,7 @@ def main(argv=None) -> dict:
     # Model and optimizer state.
     # DeepSeek V4 presets get the V4 model (window / CSA / HCA attention), the others DSA.
     model_cls = DeepseekV4LanguageModel if isinstance(config, DeepseekV4Config) else DSALanguageModel
-    model = model_cls(config, rngs=nnx.Rngs(args.seed))
+    model = model_cls(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     param_sharding = param_shardings(mesh, param_state)
@@ -633,6 +636,9 @@ def main(argv=None) -> dict:
         "jax_version": jax.__version__,
         "device": {"platform": device.platform, "kind": device.device_kind,
                    "count": mesh.devices.size, "name": str(device)},
+        # Peak device memory of each local device, where the backend reports it (GPUs do).
+        "peak_bytes_per_device": [(d.memory_stats() or {}).get("peak_bytes_in_use")
+                                  for d in jax.local_devices()],
         "checkpoint_dir": str(pathlib.Path(args.checkpoint_dir).absolute())
         if args.checkpoint_dir else None,
     }

@@ -508,6 +508,26 @@ _DEEPSEEK_V32_TINY = dataclasses.replace(
     **_TINY,
 )
 
+# A small byte-level GLM-5 with the real latent widths (d_qk 576, d_v 512), so that the GPU
+# kernels (implementation="cuda") run it: for multi-GPU runs of the training example.
+_GLM5_SMALL = dataclasses.replace(
+    _GLM5_TINY,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=64,
+    v_head_dim=64,
+    index_topk=256,
+    index_n_heads=8,
+    index_head_dim=64,
+    indexer_types=None,
+)
+
 PRESETS: dict[str, DSAConfig] = {
     "glm5": _GLM5,
     "glm5.2": _GLM52,
@@ -515,6 +535,7 @@ PRESETS: dict[str, DSAConfig] = {
     "glm5-tiny": _GLM5_TINY,
     "glm5.2-tiny": _GLM52_TINY,
     "deepseek-v3.2-tiny": _DEEPSEEK_V32_TINY,
+    "glm5-small": _GLM5_SMALL,
 }
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
