@@ -16,9 +16,16 @@ from jax_dsa.configs import (
 )
 
 
+def test_glm5_small_fits_the_gpu_kernels():
+    c = get_config("glm5-small")
+    assert (c.d_qk, c.d_v) == (576, 512) and c.softmax_scale == (64 + 64) ** -0.5
+    assert c.full_indexer_layers == tuple(range(c.num_hidden_layers))
+
+
 def test_preset_names():
     assert set(PRESET_NAMES) == {
-        "glm5", "glm5.2", "deepseek-v3.2", "glm5-tiny", "glm5.2-tiny", "deepseek-v3.2-tiny"
+        "glm5", "glm5.2", "deepseek-v3.2", "glm5-tiny", "glm5.2-tiny", "deepseek-v3.2-tiny",
+        "glm5-small",
     }
     with pytest.raises(KeyError, match="unknown preset"):
         get_config("glm6")

@@ -65,6 +65,8 @@ def test_two_processes_equal_one(tmp_path):
         got = json.loads((tmp_path / f"metrics{pid}.json").read_text())
         assert got["device"]["count"] == 8 and got["mesh"] == want["mesh"]
         for key in ("train_loss", "indexer_loss", "grad_norm"):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+            # atol: the indexer's KL is ~2e-4 here, a difference of O(1) log-probabilities, so
+            # float32 reduction order shows as ~1e-5 of it (5e-9 absolute seen).
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
         np.testing.assert_allclose(got["final_eval_loss"], want["final_eval_loss"], rtol=1e-5)
     assert want["train_loss"][-1] < want["train_loss"][0]
