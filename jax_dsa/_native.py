@@ -43,6 +43,10 @@ cpu = _load("_cpu", "cpu")
 # CUDA targets may be registered without a GPU: jaxlib queues them until a CUDA plugin loads.
 # JAX_DSA_CUDA_GRAPHS=0 registers the backward without the command-buffer trait (A/B checks).
 cuda = _load("_cuda", "CUDA", graphs=os.environ.get("JAX_DSA_CUDA_GRAPHS", "1") != "0")
+if cpu is not None and cuda is not None:
+    # implementation="cuda" placed on the host: a clear error at run time, not "no handler".
+    for _target in ("jax_dsa_sparse_mla_fwd_cuda", "jax_dsa_dsa_bwd_cuda"):
+        jax.ffi.register_ffi_target(_target, cpu.cuda_on_host(), platform="cpu", api_version=1)
 
 
 def available() -> tuple[str, ...]:

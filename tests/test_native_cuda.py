@@ -274,3 +274,13 @@ def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, h
     for line in text.splitlines():
         if "stablehlo.gather" in line:
             assert "bf16" not in line and "f32" not in line, line
+
+
+def test_cuda_on_the_host_fails_with_a_clear_error():
+    if "cuda" not in _native.available() or jax.default_backend() != "cpu":
+        pytest.skip("needs the CUDA module built and a host-only run")
+    q = jnp.zeros((4, 4, 576), jnp.bfloat16)
+    kv = jnp.zeros((8, 576), jnp.bfloat16)
+    with pytest.raises(Exception, match="needs an SM90 GPU"):
+        sparse_mla(q, kv, jnp.zeros((4, 8), jnp.int32), sm_scale=0.1,
+                   implementation="cuda")[0].block_until_ready()

@@ -169,6 +169,21 @@ def test_fewer_keys_than_slots(impl):
     check_against_oracle(q, kv, idx, 0.3, 8, sink=np.array([0.5, -1.0], np.float32), impl=impl)
 
 
+def test_no_kv_rows_at_all(impl):
+    """S_kv = 0: every slot is invalid, so every row is empty."""
+    rng = np.random.default_rng(16)
+    q, _, _ = make_inputs(rng, (2,), 6, 1, 2, 8, 1)
+    kv = np.zeros((2, 0, 8), np.float32)
+    idx = rng.integers(-2, 3, (2, 6, 4)).astype(np.int32)
+    f = lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl)
+    (out, lse), vjp = jax.vjp(f, q, kv)
+    np.testing.assert_array_equal(out, 0)
+    assert np.all(lse == np.inf)
+    dq, dkv = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    np.testing.assert_array_equal(dq, 0)
+    assert dkv.shape == kv.shape
+
+
 def test_nan_in_an_unselected_row_does_not_leak(impl):
     """Invalid slots are never read: a NaN kv row that no valid slot selects changes nothing."""
     rng = np.random.default_rng(8)
@@ -279,6 +294,7 @@ def test_memory_is_bounded_by_query_blocks():
     [
         (((4, 2, 8), (6, 8), (4, 3)), {}, None, None),
         (((4, 8), (6, 8), (4, 3)), {}, ValueError, "q must be"),
+        (((4, 0, 8), (6, 8), (4, 3)), {}, ValueError, "H >= 1"),
         (((4, 2, 8), (1, 6, 8), (4, 3)), {}, ValueError, "kv must be"),
         (((4, 2, 8), (6, 8), (1, 4, 3)), {}, ValueError, "indices must be"),
         (((4, 2, 8), (6, 7), (4, 3)), {}, ValueError, "D_qk"),

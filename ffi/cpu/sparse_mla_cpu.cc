@@ -516,6 +516,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdCpu, jax_dsa::BackwardImpl,
                                   .Attr<double>("sm_scale")
                                   .Attr<int64_t>("d_v"));
 
+// Registered on the host under the CUDA targets' names: a computation that used
+// implementation="cuda" but was placed on the CPU fails with this message instead of
+// "no FFI handler registered".
+static ffi::Error CudaOnHost(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
+  return ffi::Error::InvalidArgument(
+      "jax_dsa sparse_mla: implementation='cuda' needs an SM90 GPU (H100/H200), but this "
+      "computation runs on the host; use implementation=None, 'cpu' or 'xla' there");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaCudaOnHost, CudaOnHost,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs());
+
 namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
@@ -525,6 +537,9 @@ NB_MODULE(_cpu, m) {
     d["jax_dsa_sparse_mla_fwd_cpu"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCpu));
     d["jax_dsa_sparse_mla_bwd_cpu"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaBwdCpu));
     return d;
+  });
+  m.def("cuda_on_host", []() {
+    return nb::capsule(reinterpret_cast<void*>(JaxDsaCudaOnHost));
   });
   m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.def("kernel_isa", []() { return jax_dsa::Kernels().isa; },

@@ -433,7 +433,7 @@ def _check_indexer(name, q, k, weights, names=("q", "k", "weights")):
     if k.ndim != len(batch) + 2 or k.shape[:-2] != batch or k.shape[-1] != d_i:
         raise ValueError(
             f"{name}: {nk} must be [..., S_kv, index_head_dim] = {batch} + (S_kv, {d_i}) to match "
-            f"{nq} {q.shape}, got shape {k.shape}"
+            f"{nq} {q.shape}, got shape {k.shape} ({nq} and {nk} need the same leading batch dims)"
         )
     s_kv = k.shape[-2]
     if s_kv < 1:

@@ -150,6 +150,8 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
             f"{indices.shape[:-2]}"
         )
     s_q, h, d_qk = q.shape[-3:]
+    if h < 1 or d_qk < 1:
+        raise ValueError(f"sparse_mla: q needs H >= 1 heads and D_qk >= 1, got shape {q.shape}")
     if kv.shape[-1] != d_qk:
         raise ValueError(f"sparse_mla: kv's last dim {kv.shape[-1]} must equal q's D_qk {d_qk}")
     if indices.shape[-2] != s_q:

@@ -65,6 +65,8 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
     """Returns ``out [S_q, H, d_v]`` (q's dtype) and ``lse [S_q, H]`` (float32, sink-free)."""
     s_q, h, _ = q.shape
     s_kv = kv.shape[0]
+    if s_kv == 0:  # every slot is invalid
+        return jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32)
     acc = accumulation_dtype(q.dtype)
     sink = attn_sink.astype(acc)
 
@@ -99,6 +101,8 @@ def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale
     """
     s_q, h, d_qk = q.shape
     s_kv = kv.shape[0]
+    if s_kv == 0:  # every slot is invalid: no gradient
+        return jnp.zeros_like(q), jnp.zeros_like(kv), jnp.zeros_like(attn_sink)
     acc = accumulation_dtype(q.dtype)
     sink = attn_sink.astype(acc)
     scale = jnp.asarray(sm_scale, acc)
