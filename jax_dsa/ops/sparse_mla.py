@@ -23,7 +23,7 @@ IMPLEMENTATIONS = ("xla", "cpu", "cuda")
 # loaded (see `jax_dsa._native.LOAD_ERRORS` for why one did not).
 AVAILABLE = ("xla",) + _native.available()
 # implementation=None on the host: "cpu" when it is built, measured faster than "xla" there
-# (benchmarks/NOTES_native.md: 4.6x faster forward+backward on the example shapes).
+# (benchmarks/NOTES.md: 4.6x faster forward+backward on the example shapes).
 CPU_PREFERRED_ON_HOST = True
 # Head dimensions the GPU kernels are compiled for (absorbed MLA 512 + 64 RoPE; DeepSeek V4 512).
 KERNEL_D_QK = (512, 576)
