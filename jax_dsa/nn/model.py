@@ -21,6 +21,41 @@ from jax_dsa.nn.slots import dense_indices
 from jax_dsa.sharding import constrain
 
 
+def init_decoder(module, config, layer_cls, *, rngs, dtype, param_dtype):
+    """Gives a decoder-only LM its parts: ``embed_tokens``, ``layers`` (``layer_cls(config, i)``
+    for each layer), the final ``norm`` and ``lm_head``. Shared by the DSA and DeepSeek V4 LMs."""
+    c = config
+    module.config = config
+    module.dtype = dtype
+    module.embed_tokens = Embed(
+        c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+        init_std=c.initializer_range,
+    )
+    module.layers = nnx.List([
+        layer_cls(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        for i in range(c.num_hidden_layers)
+    ])
+    module.norm = RMSNorm(
+        c.hidden_size, eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype
+    )
+    module.lm_head = Linear(
+        c.hidden_size, c.vocab_size, axes=("vocab", "embed"), rngs=rngs, dtype=dtype,
+        param_dtype=param_dtype, init_std=c.initializer_range,
+    )
+
+
+def check_lm_inputs(input_ids, positions, segment_ids, attention_mode, modes):
+    """Validates an LM call; returns ``positions, segment_ids`` with their defaults filled in."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {input_ids.shape}")
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"input_ids must be an integer array, got {input_ids.dtype}")
+    if attention_mode not in modes:
+        raise ValueError(f"attention_mode must be one of {modes}, got {attention_mode!r}")
+    b, s = input_ids.shape
+    return check_positions(positions, segment_ids, b, s)
+
+
 class DecoderLayer(nnx.Module):
     """``h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``."""
 
@@ -65,24 +100,7 @@ class DSALanguageModel(nnx.Module):
     def __init__(
         self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
-        c = config
-        self.config = config
-        self.dtype = dtype
-        self.embed_tokens = Embed(
-            c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-            init_std=c.initializer_range,
-        )
-        self.layers = nnx.List([
-            DecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-            for i in range(c.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(
-            c.hidden_size, eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype
-        )
-        self.lm_head = Linear(
-            c.hidden_size, c.vocab_size, axes=("vocab", "embed"), rngs=rngs, dtype=dtype,
-            param_dtype=param_dtype, init_std=c.initializer_range,
-        )
+        init_decoder(self, config, DecoderLayer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(
         self,
@@ -117,16 +135,9 @@ class DSALanguageModel(nnx.Module):
           TypeError: non-integer ``input_ids``.
         """
         c = self.config
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {input_ids.shape}")
-        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-            raise TypeError(f"input_ids must be an integer array, got {input_ids.dtype}")
-        if attention_mode not in ATTENTION_MODES:
-            raise ValueError(
-                f"attention_mode must be one of {ATTENTION_MODES}, got {attention_mode!r}"
-            )
-        b, s = input_ids.shape
-        positions, segment_ids = check_positions(positions, segment_ids, b, s)
+        positions, segment_ids = check_lm_inputs(
+            input_ids, positions, segment_ids, attention_mode, ATTENTION_MODES
+        )
 
         x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
         dense = None

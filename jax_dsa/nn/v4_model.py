@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dsa.configs_v4 import DeepseekV4Config
-from jax_dsa.nn.attention import check_positions
-from jax_dsa.nn.layers import Embed, Linear, RMSNorm
+from jax_dsa.nn.layers import RMSNorm
 from jax_dsa.nn.mlp import MLP
+from jax_dsa.nn.model import check_lm_inputs, init_decoder
 from jax_dsa.nn.v4_attention import ATTENTION_MODES, DeepseekV4Attention
 
 
@@ -62,23 +62,8 @@ class DeepseekV4LanguageModel(nnx.Module):
         self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
         param_dtype=jnp.float32,
     ):
-        c = config
-        self.config = config
-        self.dtype = dtype
-        self.embed_tokens = Embed(
-            c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-            init_std=c.initializer_range,
-        )
-        self.layers = nnx.List([
-            DeepseekV4DecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-            for i in range(c.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(
-            c.hidden_size, eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype
-        )
-        self.lm_head = Linear(
-            c.hidden_size, c.vocab_size, axes=("vocab", "embed"), rngs=rngs, dtype=dtype,
-            param_dtype=param_dtype, init_std=c.initializer_range,
+        init_decoder(
+            self, config, DeepseekV4DecoderLayer, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
 
     def __call__(
@@ -115,16 +100,9 @@ class DeepseekV4LanguageModel(nnx.Module):
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
           TypeError: non-integer ``input_ids``.
         """
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {input_ids.shape}")
-        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-            raise TypeError(f"input_ids must be an integer array, got {input_ids.dtype}")
-        if attention_mode not in ATTENTION_MODES:
-            raise ValueError(
-                f"attention_mode must be one of {ATTENTION_MODES}, got {attention_mode!r}"
-            )
-        b, s = input_ids.shape
-        positions, segment_ids = check_positions(positions, segment_ids, b, s)
+        positions, segment_ids = check_lm_inputs(
+            input_ids, positions, segment_ids, attention_mode, ATTENTION_MODES
+        )
         x = self.embed_tokens(input_ids)
         losses, all_indices, all_lengths = [], [], []
         for layer in self.layers:
