@@ -169,6 +169,20 @@ def test_fewer_keys_than_slots(impl):
     check_against_oracle(q, kv, idx, 0.3, 8, sink=np.array([0.5, -1.0], np.float32), impl=impl)
 
 
+def test_wide_indices_do_not_wrap(impl):
+    """An int64 index past 2**32 is invalid; it must not become a small row id when cast."""
+    rng = np.random.default_rng(17)
+    q, kv, idx = make_inputs(rng, (), 6, 8, 2, 8, 4)
+    with enable_x64(True):
+        wide = idx.astype(np.int64)
+        wide[:, 0] = 2**32 + 3
+        a = sparse_mla(q, kv, wide, sm_scale=0.3, d_v=8, implementation=impl)
+    narrow = idx.copy()
+    narrow[:, 0] = -1
+    b = sparse_mla(q, kv, narrow, sm_scale=0.3, d_v=8, implementation=impl)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-6, atol=1e-7)
+
+
 def test_no_kv_rows_at_all(impl):
     """S_kv = 0: every slot is invalid, so every row is empty."""
     rng = np.random.default_rng(16)

@@ -105,6 +105,8 @@ def sparse_mla(
 
     q3 = q.reshape((nb, s_q, h, d_qk))
     kv3 = kv.reshape((nb, s_kv, d_qk))
+    if indices.dtype != jnp.int32:  # out-of-range wide indices must not wrap into range
+        indices = jnp.where((indices >= 0) & (indices < s_kv), indices, -1)
     idx3 = indices.astype(jnp.int32).reshape((nb, s_q, topk))
     if topk_length is None:
         len2 = jnp.full((nb, s_q), topk, jnp.int32)
