@@ -47,10 +47,10 @@ needs_cuda = pytest.mark.skipif("cuda" not in _native.available(),
 
 
 @needs_cuda
-@pytest.mark.parametrize("h,d_qk,k,bucket,hp", [(16, 576, 300, 512, 64), (64, 512, 640, 640, 64),
-                                                (100, 512, 2048, 2048, 128)])
-def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
-    b, s_q, s_kv = 2, 70, 90
+
+def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k):
+    """StableHLO text of jax.grad of sparse_mla(implementation="cuda") lowered for CUDA, and
+    its custom calls as (target, operands, attributes, operand types, result types)."""
     q = jax.ShapeDtypeStruct((b, s_q, h, d_qk), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s_kv, d_qk), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((b, s_q, k), jnp.int32)
@@ -64,6 +64,14 @@ def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
     text = (jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, sink, idx)
             .lower(lowering_platforms=("cuda",)).as_text())
     calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    return text, calls
+
+
+@pytest.mark.parametrize("h,d_qk,k,bucket,hp", [(16, 576, 300, 512, 64), (64, 512, 640, 640, 64),
+                                                (100, 512, 2048, 2048, 128)])
+def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
+    b, s_q, s_kv = 2, 70, 90
+    text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k)
     ours = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_BWD_TARGET]
     assert len(ours) == 1, set(c[0] for c in calls)
     _, _, attrs, operand_types, result_types = ours[0]
@@ -247,19 +255,7 @@ def test_sm100_artifacts_are_not_linked_into_the_cuda_module():
 @pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 640, 128)])
 def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, hp):
     b, s_q, s_kv = 2, 70, 90
-    q = jax.ShapeDtypeStruct((b, s_q, h, d_qk), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, s_kv, d_qk), jnp.bfloat16)
-    idx = jax.ShapeDtypeStruct((b, s_q, k), jnp.int32)
-    sink = jax.ShapeDtypeStruct((h,), jnp.float32)
-
-    def loss(q, kv, sink, idx):
-        out, _ = sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, attn_sink=sink,
-                            implementation="cuda")
-        return jnp.sum(out.astype(jnp.float32) ** 2)
-
-    text = (jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, sink, idx)
-            .lower(lowering_platforms=("cuda",)).as_text())
-    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k)
     fwd = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_FWD_TARGET]
     assert len(fwd) == 1, set(c[0] for c in calls)
     assert sum(c[0] == sparse_mla_ffi.CUDA_BWD_TARGET for c in calls) == 1

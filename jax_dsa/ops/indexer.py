@@ -298,19 +298,9 @@ def indexer_kl_loss(
 
         def block(xs):
             iqb, iwb, pb, sb, qb, ib, okb = xs
-            if ib is None:
-                support = _visible(pb, kv_pos, sb, kv_seg)
-                score = _dense_scores(iqb, ik, iwb, acc)
-                logits = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(scale, acc)
-            else:
-                valid = (ib >= 0) & (ib < s_kv)
-                safe = jnp.where(valid, ib, 0)
-                support = valid & (kv_pos[safe] <= pb[:, None])
-                if sb is not None:
-                    support = support & (kv_seg[safe] == sb[:, None])
-                score = _sparse_scores(iqb, ik[safe], iwb, acc)
-                logits = _einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
-            support = support & okb[:, None]
+            support, score, logits = block_support_and_logits(
+                iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_seg, scale, acc
+            )
             log_pi = _masked_log_softmax(score, support)
             log_p_h = _masked_log_softmax(logits, support[:, None, :])
             # log of the head mean, without leaving log space (no underflow to log 0).
@@ -420,6 +410,25 @@ def _check_int(name, arg, value):
     if value < 1:
         raise ValueError(f"{name}: {arg} must be >= 1, got {value}")
     return int(value)
+
+
+
+def block_support_and_logits(iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_seg, scale, acc):
+    """One query block of the KL losses: the support (visible keys, or the block's valid visible
+    slots ``ib``), the index scores over it and the main attention's scaled logits ``[b, H, n]``."""
+    if ib is None:
+        support = _visible(pb, kv_pos, sb, kv_seg)
+        score = _dense_scores(iqb, ik, iwb, acc)
+        logits = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(scale, acc)
+    else:
+        valid = (ib >= 0) & (ib < kv.shape[0])
+        safe = jnp.where(valid, ib, 0)
+        support = valid & (kv_pos[safe] <= pb[:, None])
+        if sb is not None:
+            support = support & (kv_seg[safe] == sb[:, None])
+        score = _sparse_scores(iqb, ik[safe], iwb, acc)
+        logits = _einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
+    return support & okb[:, None], score, logits
 
 
 def _check_indexer(name, q, k, weights, names=("q", "k", "weights")):

@@ -34,12 +34,9 @@ from jax_dsa.ops.indexer import (
     _check_int,
     _check_positions,
     _default_block_q,
-    _dense_scores,
-    _einsum,
     _flatten_batch,
     _masked_log_softmax,
-    _sparse_scores,
-    _visible,
+    block_support_and_logits,
 )
 
 
@@ -166,19 +163,9 @@ def v4_indexer_kl_loss(
 
         def block(xs):
             iqb, iwb, pb, sb, qb, lb, ib, okb = xs
-            if ib is None:
-                support = _visible(pb, kv_pos, sb, kv_seg)
-                score = _dense_scores(iqb, ik, iwb, acc)
-                logits = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(scale, acc)
-            else:
-                valid = (ib >= 0) & (ib < s_kv)
-                safe = jnp.where(valid, ib, 0)
-                support = valid & (kv_pos[safe] <= pb[:, None])
-                if sb is not None:
-                    support = support & (kv_seg[safe] == sb[:, None])
-                score = _sparse_scores(iqb, ik[safe], iwb, acc)
-                logits = _einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
-            support = support & okb[:, None]
+            support, score, logits = block_support_and_logits(
+                iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_seg, scale, acc
+            )
             log_pi = _masked_log_softmax(score, support)
             # Per-head probabilities under the full denominator, summed over heads in log space.
             log_ph = jnp.where(support[:, None, :], logits - lb[:, :, None], -jnp.inf)
