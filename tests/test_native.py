@@ -59,7 +59,8 @@ def test_vmap_with_unbatched_operands_matches_xla(in_axes):
     results = {}
     for impl in ("xla", "cpu"):
         fwd = jax.vmap(lambda q, kv, i, s, impl=impl: sparse_mla(
-            q, kv, i, sm_scale=0.4, d_v=6, attn_sink=s, implementation=impl), in_axes)
+            q, kv, i, sm_scale=0.4, d_v=6, attn_sink=s, implementation=impl,
+            return_max_logits=True), in_axes)
         grad = jax.vmap(jax.grad(_loss(impl), (0, 1, 3)), in_axes)
         results[impl] = jax.jit(fwd)(*args) + tuple(jax.jit(grad)(*args))
     for a, b in zip(results["cpu"], results["xla"]):
@@ -80,11 +81,12 @@ def test_nested_vmap_and_batch_dims_match_xla():
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
-def _raw_forward(q, kv, idx, sink, length, d_v=4, sm_scale=0.5):
+def _raw_forward(q, kv, idx, sink, length, d_v=4, sm_scale=0.5, max_logits_shape=None):
+    lead = q.shape[:-1]
     call = jax.ffi.ffi_call(
         sparse_mla_ffi.CPU_FWD_TARGET,
-        (jax.ShapeDtypeStruct(q.shape[:-1] + (d_v,), q.dtype),
-         jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)))
+        (jax.ShapeDtypeStruct(lead + (d_v,), q.dtype), jax.ShapeDtypeStruct(lead, jnp.float32),
+         jax.ShapeDtypeStruct(max_logits_shape or lead, jnp.float32)))
     return call(q, kv, idx, sink, length, sm_scale=np.float64(sm_scale), d_v=np.int64(d_v))
 
 
@@ -98,6 +100,7 @@ def _raw_forward(q, kv, idx, sink, length, d_v=4, sm_scale=0.5):
         (dict(kv=np.zeros((1, 6, 8), np.float16)), "kv"),
         (dict(idx=np.zeros((1, 4, 3), np.int32)), "indices"),
         (dict(d_v=9), "d_v"),
+        (dict(max_logits_shape=(1, 4, 3)), "max_logits"),
     ],
 )
 def test_handler_errors_name_the_argument(change, match):

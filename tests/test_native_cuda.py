@@ -46,20 +46,20 @@ needs_cuda = pytest.mark.skipif("cuda" not in _native.available(),
                                 reason=f"CUDA module not built: {_native.LOAD_ERRORS.get('_cuda')}")
 
 
-@needs_cuda
-
-def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k):
+def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits=False):
     """StableHLO text of jax.grad of sparse_mla(implementation="cuda") lowered for CUDA, and
-    its custom calls as (target, operands, attributes, operand types, result types)."""
+    its custom calls as (target, operands, attributes, operand types, result types). With
+    ``return_max_logits`` the loss also sums max_logits (which takes no gradient)."""
     q = jax.ShapeDtypeStruct((b, s_q, h, d_qk), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s_kv, d_qk), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((b, s_q, k), jnp.int32)
     sink = jax.ShapeDtypeStruct((h,), jnp.float32)
 
     def loss(q, kv, sink, idx):
-        out, _ = sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, attn_sink=sink,
-                            implementation="cuda")
-        return jnp.sum(out.astype(jnp.float32) ** 2)
+        res = sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, attn_sink=sink,
+                         implementation="cuda", return_max_logits=return_max_logits)
+        extra = jnp.sum(jnp.where(jnp.isfinite(res[2]), res[2], 0)) if return_max_logits else 0
+        return jnp.sum(res[0].astype(jnp.float32) ** 2) + extra
 
     text = (jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, sink, idx)
             .lower(lowering_platforms=("cuda",)).as_text())
@@ -67,6 +67,7 @@ def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k):
     return text, calls
 
 
+@needs_cuda
 @pytest.mark.parametrize("h,d_qk,k,bucket,hp", [(16, 576, 300, 512, 64), (64, 512, 640, 640, 64),
                                                 (100, 512, 2048, 2048, 128)])
 def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
@@ -252,10 +253,12 @@ def test_sm100_artifacts_are_not_linked_into_the_cuda_module():
 
 
 @needs_cuda
+@pytest.mark.parametrize("return_max_logits", [False, True])
 @pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 640, 128)])
-def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, hp):
+def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, hp,
+                                                                   return_max_logits):
     b, s_q, s_kv = 2, 70, 90
-    text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k)
+    text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits)
     fwd = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_FWD_TARGET]
     assert len(fwd) == 1, set(c[0] for c in calls)
     assert sum(c[0] == sparse_mla_ffi.CUDA_BWD_TARGET for c in calls) == 1
@@ -265,11 +268,33 @@ def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, h
     assert f"tensor<{t}x{hp}x{d_qk}xbf16>" in operand_types
     assert f"tensor<{b * s_kv}x{d_qk}xbf16>" in operand_types
     assert f"tensor<{t}x{k}xi32>" in operand_types
-    assert f"tensor<{t}x{hp}x512xbf16>" in result_types
+    # Three results, max_logits computed by the kernel itself (asked for or not).
+    assert re.findall(r"tensor<[^>]*>", result_types) == [
+        f"tensor<{t}x{hp}x512xbf16>", f"tensor<{t}x{hp}xf32>", f"tensor<{t}x{hp}xf32>"]
     # No XLA gather of kv rows: the only gathers are of int32 slot ids (the backward's glue).
     for line in text.splitlines():
         if "stablehlo.gather" in line:
             assert "bf16" not in line and "f32" not in line, line
+
+
+@needs_cuda
+def test_cuda_max_logits_is_the_forward_calls_third_result():
+    """return_max_logits: the third output comes from the kernel (the custom call's result #2,
+    un-padded to H heads), not from an XLA recomputation over gathered rows."""
+    b, s_q, s_kv, h, d_qk, k = 2, 70, 90, 16, 576, 300
+    q = jax.ShapeDtypeStruct((b, s_q, h, d_qk), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s_kv, d_qk), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((b, s_q, k), jnp.int32)
+    f = lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, implementation="cuda",
+                                      return_max_logits=True)
+    shapes = jax.eval_shape(f, q, kv, idx)
+    assert [(x.shape, x.dtype) for x in shapes] == [
+        ((b, s_q, h, 512), jnp.bfloat16), ((b, s_q, h), jnp.float32), ((b, s_q, h), jnp.float32)]
+    text = jax.jit(f).trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+    fwd = re.findall(rf"(%\w+):3 = stablehlo.custom_call @{sparse_mla_ffi.CUDA_FWD_TARGET}\(", text)
+    assert len(fwd) == 1, text
+    assert f"{fwd[0]}#2 " in text  # max_logits read from the kernel's third result
+    assert "stablehlo.gather" not in text and "stablehlo.reduce" not in text
 
 
 def test_cuda_on_the_host_fails_with_a_clear_error():

@@ -1,7 +1,8 @@
 """The DSA ops split over 8 CPU devices (tests/conftest.py) equal their unsharded runs.
 
 For each layout (dp, tp, cp, dp+cp+tp) and both mesh axis types (Auto: custom_partitioning with
-a Shardy rule; Explicit: shard_map), forward values and gradients of ``sparse_mla``,
+a Shardy rule; Explicit: shard_map), forward values (out, lse, max_logits) and gradients of
+``sparse_mla``,
 ``indexer_topk`` and ``indexer_kl_loss`` are compared with the same jitted computation on one
 device (itself checked against float64 oracles in test_sparse_mla.py / test_indexer.py). The
 compiled HLO is checked for the collectives each layout needs, and for no others on q / out.
@@ -48,6 +49,14 @@ def spec(mesh, *dims):
     return P(*(d if d in mesh.axis_names else None for d in dims))
 
 
+def trimmed(p):
+    """A PartitionSpec's entries without trailing Nones (the same sharding either way)."""
+    entries = list(p)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
 def assert_close(got, want, rel=1e-5, what=""):
     """max |got - want| <= rel * max |want| (finite entries), and the same non-finite entries."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -81,6 +90,7 @@ def mla_inputs(rng):
     q = rng.standard_normal((B, S, H, D_QK)).astype(np.float32)
     kv = rng.standard_normal((B, S, D_QK)).astype(np.float32)
     idx = rng.integers(-2, S + 2, (B, S, K)).astype(np.int32)  # some invalid slots
+    idx[0, 3] = idx[1, 12] = -1  # rows without a valid slot: lse +inf, max_logits -inf
     sink = rng.standard_normal(H).astype(np.float32)
     w = rng.standard_normal((B, S, H, D_V)).astype(np.float32)
     return q, kv, idx, sink, w
@@ -101,9 +111,9 @@ def indexer_inputs(rng):
 
 def mla_loss(impl):
     def loss(q, kv, sink, idx, w):
-        out, lse = sparse_mla(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V, attn_sink=sink,
-                              implementation=impl)
-        return jnp.sum(out * w), (out, lse)
+        out, lse, max_logits = sparse_mla(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V, attn_sink=sink,
+                                          implementation=impl, return_max_logits=True)
+        return jnp.sum(out * w), (out, lse, max_logits)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
@@ -182,19 +192,23 @@ def put_indexer(mesh, iq, ik, iw, pos, seg, q, kv):
 def test_sparse_mla_layouts_equal_unsharded(layout, impl):
     q, kv, idx, sink, w = mla_inputs(np.random.default_rng(0))
     f = mla_fn(impl)
-    (_, (want_o, want_lse)), want_g = mla_reference(impl)
+    (_, (want_o, want_lse, want_mx)), want_g = mla_reference(impl)
+    assert np.isneginf(want_mx).any() and np.isfinite(want_mx).any()  # empty rows and full ones
     mesh = make_mesh(LAYOUTS[layout])
     with jax.set_mesh(mesh):
         args = put_mla(mesh, q, kv, idx, sink, w)
         compiled = f.lower(*args).compile()
-        (_, (got_o, got_lse)), got_g = compiled(*args)
+        (_, (got_o, got_lse, got_mx)), got_g = compiled(*args)
         hlo = compiled.as_text()
     assert_close(got_o, want_o, what="out")
     assert_close(got_lse, want_lse, what="lse")
+    assert_close(got_mx, want_mx, what="max_logits")
     for name, a, b in zip(("dq", "dkv", "d_attn_sink"), got_g, want_g):
         assert_close(a, b, what=name)
-    # Each result stays split like its inputs (no gathered outputs).
+    # Each result stays split like its inputs (no gathered outputs); max_logits like lse.
     assert got_o.sharding.spec == spec(mesh, "dp", "cp", "tp", None)
+    assert trimmed(got_lse.sharding.spec) == trimmed(spec(mesh, "dp", "cp", "tp"))
+    assert trimmed(got_mx.sharding.spec) == trimmed(spec(mesh, "dp", "cp", "tp"))
     assert got_g[0].sharding.spec == spec(mesh, "dp", "cp", "tp", None)
 
     sizes = LAYOUTS[layout]
@@ -222,16 +236,19 @@ def test_sparse_mla_explicit_mesh_equals_unsharded():
     (jax-ml/jax#38551), results typed with the layout's shardings."""
     q, kv, idx, sink, w = mla_inputs(np.random.default_rng(0))
     f = mla_fn("xla")
-    (_, (want_o, want_lse)), want_g = mla_reference("xla")
+    (_, (want_o, want_lse, want_mx)), want_g = mla_reference("xla")
     mesh = make_mesh(LAYOUTS["dp+cp+tp"], AxisType.Explicit)
     with jax.set_mesh(mesh):
         args = put_mla(mesh, q, kv, idx, sink, w)
         compiled = f.lower(*args).compile()
-        (_, (got_o, got_lse)), got_g = compiled(*args)
+        (_, (got_o, got_lse, got_mx)), got_g = compiled(*args)
         hlo = compiled.as_text()
         assert jax.typeof(got_o).sharding.spec == P("dp", "cp", "tp", None)
+        assert jax.typeof(got_lse).sharding.spec == P("dp", "cp", "tp")
+        assert jax.typeof(got_mx).sharding.spec == P("dp", "cp", "tp")
     assert_close(got_o, want_o, what="out")
     assert_close(got_lse, want_lse, what="lse")
+    assert_close(got_mx, want_mx, what="max_logits")
     for name, a, b in zip(("dq", "dkv", "d_attn_sink"), got_g, want_g):
         assert_close(a, b, what=name)
     ops = collectives(hlo)
@@ -245,33 +262,37 @@ def test_sparse_mla_inside_user_shard_map():
     """Inside shard_map (Manual axes) the op runs on the local shards: context parallelism by
     hand, gathering kv with jax.lax.all_gather, whose transpose reduce-scatters dkv."""
     q, kv, idx, sink, w = mla_inputs(np.random.default_rng(0))
-    (_, (want_o, _)), want_g = mla_reference("xla")
+    (_, (want_o, _, want_mx)), want_g = mla_reference("xla")
     mesh = make_mesh({"cp": 4})
 
     def local_loss(q, kv, sink, idx, w):
         kv_all = jax.lax.all_gather(kv, "cp", axis=1, tiled=True)
-        out, _ = sparse_mla(q, kv_all, idx, sm_scale=SM_SCALE, d_v=D_V, attn_sink=sink)
-        return jax.lax.psum(jnp.sum(out * w), "cp"), out
+        out, _, max_logits = sparse_mla(q, kv_all, idx, sm_scale=SM_SCALE, d_v=D_V,
+                                        attn_sink=sink, return_max_logits=True)
+        return jax.lax.psum(jnp.sum(out * w), "cp"), (out, max_logits)
 
     sharded = jax.shard_map(
         local_loss, mesh=mesh,
         in_specs=(P(None, "cp"), P(None, "cp"), P(), P(None, "cp"), P(None, "cp")),
-        out_specs=(P(), P(None, "cp")), check_vma=False)
+        out_specs=(P(), (P(None, "cp"), P(None, "cp"))), check_vma=False)
     g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2), has_aux=True))
-    (_, got_o), got_g = g(q, kv, sink, idx, w)
+    (_, (got_o, got_mx)), got_g = g(q, kv, sink, idx, w)
     assert_close(got_o, want_o, what="out")
+    assert_close(got_mx, want_mx, what="max_logits")
     for name, a, b in zip(("dq", "dkv", "d_attn_sink"), got_g, want_g):
         assert_close(a, b, what=name)
 
 
 def test_vmap_under_a_mesh_falls_back_to_the_plain_kernel():
     q, kv, idx, sink, w = mla_inputs(np.random.default_rng(3))
-    one = jax.jit(jax.vmap(lambda q, kv, i: sparse_mla(q, kv, i, sm_scale=SM_SCALE, d_v=D_V)[0]))
+    one = jax.jit(jax.vmap(lambda q, kv, i: sparse_mla(q, kv, i, sm_scale=SM_SCALE, d_v=D_V,
+                                                       return_max_logits=True)))
     want = one(q, kv, idx)
     mesh = make_mesh({"dp": 2})
     with jax.set_mesh(mesh):
         got = one(*(jax.device_put(x, P("dp")) for x in (q, kv, idx)))
-    assert_close(got, want, what="vmapped out")
+    for name, a, b in zip(("out", "lse", "max_logits"), got, want):
+        assert_close(a, b, what=f"vmapped {name}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,13 +19,15 @@ INT32_MIN = np.iinfo(np.int32).min
 
 
 def oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, dout=None):
-    """float64 loops over rows: out, lse and (given dout) dq, dkv, dsink. One batch element."""
+    """float64 loops over rows: out, lse, (given dout) dq, dkv, dsink, and max_logits (-inf for
+    an empty row, sink excluded). One batch element."""
     q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
     s_q, h, d = q.shape
     s_kv = kv.shape[0]
     sink = np.full(h, -np.inf) if sink is None else np.asarray(sink, np.float64)
     out = np.zeros((s_q, h, d_v))
     lse = np.full((s_q, h), np.inf)
+    max_logits = np.full((s_q, h), -np.inf)
     dq, dkv, dsink = np.zeros_like(q), np.zeros_like(kv), np.zeros(h)
     for t in range(s_q):
         n = idx.shape[1] if length is None else length[t]
@@ -35,6 +37,7 @@ def oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, dout=None):
         k = kv[rows]  # [n, d]
         s = sm_scale * q[t] @ k.T  # [h, n]
         lse[t] = np.log(np.exp(s).sum(-1))
+        max_logits[t] = s.max(-1)
         z = np.exp(s).sum(-1) + np.exp(sink)
         p = np.exp(s) / z[:, None]
         out[t] = p @ k[:, :d_v]
@@ -49,7 +52,7 @@ def oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, dout=None):
         for a, r in enumerate(rows):
             dkv[r] += contrib[a]
         dsink -= np.exp(sink) / z * delta
-    return out, lse, dq, dkv, dsink
+    return out, lse, dq, dkv, dsink, max_logits
 
 
 def make_inputs(rng, batch, s_q, s_kv, h, d, k, dtype=np.float32):
@@ -59,13 +62,20 @@ def make_inputs(rng, batch, s_q, s_kv, h, d, k, dtype=np.float32):
     return q, kv, idx
 
 
-def run(q, kv, idx, dout, **kw):
-    """out, lse and the vjp of out, through the public op."""
-    f = lambda q, kv, sink: sparse_mla(q, kv, idx, attn_sink=sink, **kw)
+def run(q, kv, idx, dout, return_max_logits=False, **kw):
+    """out, lse, the vjp of out through the public op, and max_logits when asked for (then
+    with nonzero cotangents into lse and max_logits, which the op must ignore)."""
+    f = lambda q, kv, sink: sparse_mla(q, kv, idx, attn_sink=sink,
+                                       return_max_logits=return_max_logits, **kw)
     sink = kw.pop("attn_sink", None)
-    (out, lse), vjp = jax.vjp(f, q, kv, sink)
-    dq, dkv, dsink = vjp((dout, jnp.zeros_like(lse)))
-    return out, lse, dq, dkv, dsink
+    res, vjp = jax.vjp(f, q, kv, sink)
+    assert isinstance(res, tuple) and len(res) == (3 if return_max_logits else 2)
+    if not return_max_logits:
+        dq, dkv, dsink = vjp((dout, jnp.zeros_like(res[1])))
+        return res[0], res[1], dq, dkv, dsink
+    out, lse, max_logits = res
+    dq, dkv, dsink = vjp((dout, jnp.full_like(lse, 3.0), jnp.full_like(max_logits, -5.0)))
+    return out, lse, dq, dkv, dsink, max_logits
 
 
 def rel_l2(a, b):
@@ -86,8 +96,14 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
         kw["attn_sink"] = jnp.asarray(sink, jnp.float32)
     if length is not None:
         kw["topk_length"] = jnp.asarray(length)
-    out, lse, dq, dkv, dsink = run(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), dout, **kw)
-    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    args = (jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), dout)
+    out, lse, dq, dkv, dsink, max_logits = run(*args, return_max_logits=True, **kw)
+    # Without max_logits: the same values and gradients, bit for bit (one forward either way).
+    for a, b in zip(run(*args, **kw), (out, lse, dq, dkv, dsink)):
+        np.testing.assert_array_equal(a, b)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32 and max_logits.dtype == jnp.float32
+    assert max_logits.shape == lse.shape == q.shape[:-1]
+    atol = 1e-5 if tol < 1e-3 else 2e-2
     batch = q.shape[:-3]
     for b in np.ndindex(*batch):
         ref = oracle(q[b], kv[b], idx[b], sm_scale, d_v, sink,
@@ -96,7 +112,11 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
         finite = np.isfinite(ref[1])
         np.testing.assert_array_equal(np.isfinite(lse[b]), finite)
         assert np.all(lse[b][~finite] == np.inf)
-        np.testing.assert_allclose(lse[b][finite], ref[1][finite], atol=1e-5 if tol < 1e-3 else 2e-2)
+        np.testing.assert_allclose(lse[b][finite], ref[1][finite], atol=atol)
+        # max_logits: finite exactly where lse is, -inf (not +inf, not NaN) on empty rows.
+        np.testing.assert_array_equal(np.isfinite(max_logits[b]), finite)
+        assert np.all(max_logits[b][~finite] == -np.inf)
+        np.testing.assert_allclose(max_logits[b][finite], ref[5][finite], atol=atol)
         assert rel_l2(dq[b], ref[2]) <= tol
         assert rel_l2(dkv[b], ref[3]) <= tol
     if sink is not None:
@@ -105,7 +125,7 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
                    None if length is None else length[b], dout[b])[4]
             for b in np.ndindex(*batch))
         assert rel_l2(dsink, ref_dsink) <= max(tol, 1e-5)
-    for x in (out, lse, dq, dkv):
+    for x in (out, lse, dq, dkv, max_logits):
         assert not np.any(np.isnan(np.asarray(x, np.float64)))
 
 
@@ -141,6 +161,13 @@ def test_attention_sink(sink, impl):
     idx[0, 3] = -1  # empty row with a sink: still out = 0, lse = +inf, no gradient
     s = rng.standard_normal(4) * 2 if sink == "finite" else np.full(4, -np.inf)
     check_against_oracle(q, kv, idx, 0.3, 16, sink=s.astype(np.float32), impl=impl)
+    # The sink enters neither lse nor max_logits, even when it is the largest logit.
+    s[0] = 50.0 if sink == "finite" else s[0]
+    kw = dict(sm_scale=0.3, d_v=16, implementation=impl, return_max_logits=True)
+    with_sink = sparse_mla(q, kv, idx, attn_sink=jnp.asarray(s, jnp.float32), **kw)
+    without = sparse_mla(q, kv, idx, **kw)
+    np.testing.assert_array_equal(with_sink[1], without[1])
+    np.testing.assert_array_equal(with_sink[2], without[2])
 
 
 def test_sink_at_minus_inf_equals_no_sink(impl):
@@ -189,11 +216,13 @@ def test_no_kv_rows_at_all(impl):
     q, _, _ = make_inputs(rng, (2,), 6, 1, 2, 8, 1)
     kv = np.zeros((2, 0, 8), np.float32)
     idx = rng.integers(-2, 3, (2, 6, 4)).astype(np.int32)
-    f = lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl)
-    (out, lse), vjp = jax.vjp(f, q, kv)
+    f = lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl,
+                                 return_max_logits=True)
+    (out, lse, max_logits), vjp = jax.vjp(f, q, kv)
     np.testing.assert_array_equal(out, 0)
     assert np.all(lse == np.inf)
-    dq, dkv = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    assert max_logits.shape == lse.shape and np.all(max_logits == -np.inf)
+    dq, dkv = vjp((jnp.ones_like(out), jnp.zeros_like(lse), jnp.ones_like(max_logits)))
     np.testing.assert_array_equal(dq, 0)
     assert dkv.shape == kv.shape
 
@@ -221,7 +250,8 @@ def test_half_precision(dtype, tol, impl):
                          impl=impl)
 
 
-def test_finite_differences_float64(impl):
+@pytest.mark.parametrize("return_max_logits", [False, True])
+def test_finite_differences_float64(impl, return_max_logits):
     with enable_x64(True):
         rng = np.random.default_rng(10)
         q, kv, idx = make_inputs(rng, (2,), 9, 7, 2, 6, 5, np.float64)
@@ -231,8 +261,9 @@ def test_finite_differences_float64(impl):
         length = jnp.asarray(rng.integers(1, 6, (2, 9)), jnp.int32)
 
         def f(q, kv, sink):
-            out, _ = sparse_mla(q, kv, jnp.asarray(idx), sm_scale=0.7, d_v=4, attn_sink=sink,
-                                topk_length=length, implementation=impl)
+            out = sparse_mla(q, kv, jnp.asarray(idx), sm_scale=0.7, d_v=4, attn_sink=sink,
+                             topk_length=length, implementation=impl,
+                             return_max_logits=return_max_logits)[0]
             return out
 
         check_grads(f, (jnp.asarray(q), jnp.asarray(kv), sink), order=1, modes=("rev",),
@@ -264,16 +295,78 @@ def test_jit_vmap_and_checkpoint_agree(impl):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_residual_names_are_saved_by_a_names_policy(capsys, impl):
+@pytest.mark.parametrize("return_max_logits", [False, True])
+def test_residual_names_are_saved_by_a_names_policy(capsys, impl, return_max_logits):
     rng = np.random.default_rng(12)
     q, kv, idx = make_inputs(rng, (), 8, 8, 2, 8, 4)
     policy = jax.checkpoint_policies.save_only_these_names(*sparse_mla_module.RESIDUAL_NAMES)
     f = jax.checkpoint(
-        lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl)[0].sum(),
+        lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8, implementation=impl,
+                                 return_max_logits=return_max_logits)[0].sum(),
         policy=policy)
     jax.ad_checkpoint.print_saved_residuals(f, q, kv)
     saved = capsys.readouterr().out
     assert "named 'sparse_mla_out'" in saved and "named 'sparse_mla_lse'" in saved, saved
+
+
+def test_max_logits_takes_no_gradient(impl):
+    """A cotangent into max_logits is ignored (documented): a loss of max_logits alone has zero
+    gradient, and adding it to a loss of out leaves out's gradient unchanged."""
+    rng = np.random.default_rng(14)
+    q, kv, idx = make_inputs(rng, (2,), 12, 10, 3, 8, 5)
+    idx[0, 4] = -1  # an empty row: -inf max_logits must not turn into NaN gradients
+    sink = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 12, 3, 8)), jnp.float32)
+    kw = dict(sm_scale=0.3, d_v=8, implementation=impl)
+
+    def loss(q, kv, sink, use_out, use_max):
+        out, _, max_logits = sparse_mla(q, kv, idx, attn_sink=sink, return_max_logits=True, **kw)
+        finite = jnp.where(jnp.isfinite(max_logits), max_logits, 0)
+        return use_out * jnp.sum(out * w) + use_max * jnp.sum(finite ** 2)
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=(3, 4))
+    for g in grad(q, kv, sink, 0.0, 1.0):
+        np.testing.assert_array_equal(g, 0)
+    plain = jax.grad(lambda q, kv, s: jnp.sum(
+        sparse_mla(q, kv, idx, attn_sink=s, **kw)[0] * w), (0, 1, 2))(q, kv, sink)
+    for a, b in zip(grad(q, kv, sink, 1.0, 1.0), plain):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_return_max_logits_under_jit_vmap_and_checkpoint(impl):
+    rng = np.random.default_rng(15)
+    q, kv, idx = make_inputs(rng, (3,), 20, 16, 2, 8, 6)
+    idx[1, 2] = -1
+    kw = dict(sm_scale=0.3, d_v=8, implementation=impl)
+    pair = sparse_mla(q, kv, idx, **kw)
+    assert isinstance(pair, tuple) and len(pair) == 2  # the default is unchanged
+    eager = sparse_mla(q, kv, idx, return_max_logits=True, **kw)
+    jitted = jax.jit(lambda q, kv, i: sparse_mla(q, kv, i, return_max_logits=True, **kw))(
+        q, kv, idx)
+    vmapped = jax.vmap(lambda q, kv, i: sparse_mla(q, kv, i, return_max_logits=True, **kw))(
+        q, kv, idx)
+    for i, name in enumerate(("out", "lse")):
+        np.testing.assert_array_equal(eager[i], pair[i], err_msg=name)
+    for other in (jitted, vmapped):
+        assert len(other) == 3
+        for a, b in zip(other, eager):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert np.all(eager[2][1, 2] == -np.inf)
+
+    # Under a names policy the saved residuals stay out and lse; grads equal the plain ones.
+    policy = jax.checkpoint_policies.save_only_these_names(*sparse_mla_module.RESIDUAL_NAMES)
+
+    def loss(q, kv):
+        out, _, max_logits = sparse_mla(q, kv, idx, return_max_logits=True, **kw)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(max_logits), max_logits, 0))
+
+    plain = jax.grad(lambda q, kv: jnp.sum(jnp.sin(sparse_mla(q, kv, idx, **kw)[0])), (0, 1))(
+        q, kv)
+    for g in (jax.grad(jax.checkpoint(loss, policy=policy), (0, 1))(q, kv),
+              jax.jit(jax.grad(jax.checkpoint(loss), (0, 1)))(q, kv)):
+        for a, b in zip(g, plain):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_integer_inputs_take_no_gradient(impl):
@@ -322,6 +415,11 @@ def test_memory_is_bounded_by_query_blocks():
         (((4, 2, 8), (6, 8), (4, 3)), {"topk_length": np.zeros(4, np.float32)}, TypeError,
          "topk_length"),
         (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "tpu"}, ValueError, "implementation"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"return_max_logits": 1}, TypeError, "return_max_logits"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"return_max_logits": "yes"}, TypeError,
+         "return_max_logits"),
+        (((4, 2, 8), (6, 8), (4, 3)), {"return_max_logits": None}, TypeError,
+         "return_max_logits"),
         (((4, 2, 8), (6, 8), (4, 3)), {"implementation": "cuda"}, ValueError, "D_qk"),
         # float32 is refused by the cuda backward (bfloat16 only), or "cuda" is not built.
         (((4, 2, 576), (6, 576), (4, 3)), {"implementation": "cuda", "d_v": 512},

@@ -22,6 +22,7 @@ struct FwdRows {
   const void* sink;       // [H], accumulation type
   void* out;              // [S_q, H, d_v]
   float* lse;             // [S_q, H]
+  float* max_logits;      // [S_q, H]
   int64_t begin, end;
 };
 

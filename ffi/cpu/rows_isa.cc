@@ -74,10 +74,12 @@ void Forward(const RowsShape& p, const FwdRows& a) {
   for (int64_t t = a.begin; t < a.end; ++t) {
     T* out_t = out + t * h * d_v;
     float* lse_t = a.lse + t * h;
+    float* max_t = a.max_logits + t * h;
     const int64_t n = ValidRows(a.idx + t * k, a.len[t], k, s_kv, rows.data());
     if (n == 0) {
       for (int64_t i = 0; i < h * d_v; ++i) out_t[i] = FromAcc<T, A>(A(0));
       for (int64_t i = 0; i < h; ++i) lse_t[i] = std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < h; ++i) max_t[i] = -std::numeric_limits<float>::infinity();
       continue;
     }
     kr.resize(n * d);
@@ -90,6 +92,7 @@ void Forward(const RowsShape& p, const FwdRows& a) {
     for (int64_t hh = 0; hh < h; ++hh) {
       A* sh = s.data() + hh * n;
       A m = *std::max_element(sh, sh + n);
+      max_t[hh] = float(m);  // the scaled logits' maximum, before the sink (FlashMLA v2)
       if (!std::isfinite(m)) m = 0;  // keeps the exponentials defined for +-inf logits
       A l = 0;
       std::fill(o.begin(), o.end(), A(0));

@@ -3,7 +3,8 @@
 // Same contract as jax_dsa.ops.sparse_mla (see its docstring): one latent kv row per token,
 // K = kv[:, :D_qk], V = kv[:, :d_v]; a slot j of query t is valid when 0 <= indices[t, j] < S_kv
 // and j < topk_length[t]; invalid slots are never read; a row with no valid slot gives out 0,
-// lse +inf and no gradient; the sink adds exp(attn_sink[h]) to the softmax denominator only.
+// lse +inf, max_logits -inf and no gradient; the sink adds exp(attn_sink[h]) to the softmax
+// denominator only (not to lse or max_logits).
 // Math: FlashMLA's sparse prefill forward (deepseek-ai/FlashMLA tests/ref.py) and the
 // FlashAttention-2 backward (Dao 2023, arXiv:2307.08691, Alg. 2) over the selected rows.
 //
@@ -253,7 +254,8 @@ RowsShape Shape(const Problem& p, double sm_scale) {
 template <typename T>
 ffi::Error Forward(ffi::ThreadPool& pool, const Problem& p, const T* q, const T* kv,
                    const int32_t* indices, const typename Acc<T>::type* sink,
-                   const int32_t* lengths, T* out, float* lse, double sm_scale) {
+                   const int32_t* lengths, T* out, float* lse, float* max_logits,
+                   double sm_scale) {
   const int64_t s_q = p.s_q, h = p.h, d = p.d, s_kv = p.s_kv, k = p.k, d_v = p.d_v;
   const int64_t rows_total = p.lead.count * s_q;
   const int workers = MaxWorkers(pool);
@@ -267,7 +269,7 @@ ffi::Error Forward(ffi::ThreadPool& pool, const Problem& p, const T* q, const T*
       FwdRows rows{q + p.q(p.lead, b) * s_q * h * d, kv + p.kv(p.lead, b) * s_kv * d,
                    indices + p.idx(p.lead, b) * s_q * k, lengths + p.len(p.lead, b) * s_q,
                    sink + p.sink(p.lead, b) * h, out + b * s_q * h * d_v, lse + b * s_q * h,
-                   t0, t1};
+                   max_logits + b * s_q * h, t0, t1};
       kern.forward(DtypeOf<T>(), shape, rows);
       r += t1 - t0;
     }
@@ -309,7 +311,9 @@ ffi::Error CheckFloatTypes(ffi::DataType t, ffi::DataType sink_t, const char* si
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv,
                        ffi::Buffer<ffi::S32> indices, ffi::AnyBuffer sink,
                        ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::Buffer<ffi::F32>> lse, double sm_scale, int64_t d_v) {
+                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                       ffi::Result<ffi::Buffer<ffi::F32>> max_logits, double sm_scale,
+                       int64_t d_v) {
   JAX_DSA_RETURN_IF_ERROR(CheckFloatTypes(q.element_type(), sink.element_type(), "attn_sink"));
   Problem p;
   auto od = out->dimensions();
@@ -319,29 +323,34 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv
   JAX_DSA_RETURN_IF_ERROR(SetUp(q, kv, indices, sink, lengths, od, d_v, &p));
   JAX_DSA_RETURN_IF_ERROR(CheckOutput("out", od, Concat(p.lead.dims, {p.s_q, p.h, p.d_v})));
   JAX_DSA_RETURN_IF_ERROR(CheckOutput("lse", lse->dimensions(), Concat(p.lead.dims, {p.s_q, p.h})));
+  JAX_DSA_RETURN_IF_ERROR(CheckOutput("max_logits", max_logits->dimensions(),
+                                      Concat(p.lead.dims, {p.s_q, p.h})));
   if (out->element_type() != q.element_type()) {
     return ffi::Error::InvalidArgument("jax_dsa sparse_mla (cpu): result out must have q's dtype");
   }
   const int32_t* idx = indices.typed_data();
   const int32_t* len = lengths.typed_data();
   float* l = lse->typed_data();
+  float* mx = max_logits->typed_data();
   switch (q.element_type()) {
     case ffi::DataType::F32:
       return Forward<float>(pool, p, q.typed_data<float>(), kv.typed_data<float>(), idx,
-                            sink.typed_data<float>(), len, out->typed_data<float>(), l, sm_scale);
+                            sink.typed_data<float>(), len, out->typed_data<float>(), l, mx,
+                            sm_scale);
     case ffi::DataType::F64:
       return Forward<double>(pool, p, q.typed_data<double>(), kv.typed_data<double>(), idx,
-                             sink.typed_data<double>(), len, out->typed_data<double>(), l, sm_scale);
+                             sink.typed_data<double>(), len, out->typed_data<double>(), l,
+                             mx, sm_scale);
     case ffi::DataType::BF16:
       return Forward<bf16_t>(pool, p, static_cast<const bf16_t*>(q.untyped_data()),
                              static_cast<const bf16_t*>(kv.untyped_data()), idx,
                              sink.typed_data<float>(), len,
-                             static_cast<bf16_t*>(out->untyped_data()), l, sm_scale);
+                             static_cast<bf16_t*>(out->untyped_data()), l, mx, sm_scale);
     case ffi::DataType::F16:
       return Forward<f16_t>(pool, p, static_cast<const f16_t*>(q.untyped_data()),
                             static_cast<const f16_t*>(kv.untyped_data()), idx,
                             sink.typed_data<float>(), len,
-                            static_cast<f16_t*>(out->untyped_data()), l, sm_scale);
+                            static_cast<f16_t*>(out->untyped_data()), l, mx, sm_scale);
     default:
       return ffi::Error::InvalidArgument("jax_dsa sparse_mla (cpu): unsupported q dtype");
   }
@@ -496,6 +505,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCpu, jax_dsa::ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_length
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // max_logits
                                   .Attr<double>("sm_scale")
                                   .Attr<int64_t>("d_v"));
 

@@ -45,6 +45,7 @@ def sparse_mla(
     attn_sink=None,
     topk_length=None,
     implementation: str | None = None,
+    return_max_logits: bool = False,
 ):
     """Sparse multi-query attention of each query over its own list of key rows.
 
@@ -55,11 +56,12 @@ def sparse_mla(
         s_j   = sm_scale * q[t, h] . kv[indices[t, j]]
         lse   = log(sum_j exp(s_j))                        (natural log, sink excluded)
         out   = sum_j exp(s_j) * kv[indices[t, j], :d_v] / (exp(lse) + exp(attn_sink[h]))
+        max_logits = max_j s_j                             (sink excluded)
 
     A slot ``j`` is invalid when ``indices[t, j] < 0``, ``indices[t, j] >= S_kv`` or
     ``j >= topk_length[t]``; invalid slots are never read. A row with no valid slot gives
-    ``out = 0`` and ``lse = +inf`` and passes no gradient. Duplicate indices in a row count as
-    separate slots.
+    ``out = 0``, ``lse = +inf`` and ``max_logits = -inf`` and passes no gradient. Duplicate
+    indices in a row count as separate slots.
 
     Args:
       q: ``[..., S_q, H, D_qk]`` float16, bfloat16, float32 (or float64 under x64).
@@ -78,23 +80,36 @@ def sparse_mla(
         or 576, d_v 512), or ``None``:
         ``"cuda"`` on an SM90+ GPU when it supports the call, else ``"cpu"`` on the host, else
         ``"xla"``. :data:`AVAILABLE` lists what this install has built.
+      return_max_logits: also return ``max_logits`` (FlashMLA v2's ``max_logits`` output), e.g.
+        to monitor the growth of attention logits. Every implementation computes it in the same
+        pass as ``out``; when False it is dropped, which costs nothing measurable.
 
     Returns:
-      ``out [..., S_q, H, d_v]`` in q's dtype and ``lse [..., S_q, H]`` float32.
+      ``(out, lse)``, or ``(out, lse, max_logits)`` when ``return_max_logits``:
+      ``out [..., S_q, H, d_v]`` in q's dtype; ``lse [..., S_q, H]`` float32, natural log;
+      ``max_logits [..., S_q, H]`` float32, ``sm_scale * max_j q[t, h] . kv[indices[t, j]]``
+      over the valid slots in natural units (no log2(e) factor), ``-inf`` for a row without a
+      valid slot; ``attn_sink`` enters neither ``lse`` nor ``max_logits``.
 
     Gradients (``jax.custom_vjp``): ``dq``, ``dkv`` (the key and value contributions summed in
-    one buffer) and ``d_attn_sink``. ``indices`` and ``topk_length`` take none. ``lse`` is
-    treated as a constant: a cotangent flowing into it is ignored (as in the cuDNN backward);
-    wrap it in ``jax.lax.stop_gradient`` when using it in a loss. The residuals ``out`` and
-    ``lse`` are tagged with :data:`RESIDUAL_NAMES` for ``jax.checkpoint`` policies.
+    one buffer) and ``d_attn_sink``. ``indices`` and ``topk_length`` take none. ``lse`` and
+    ``max_logits`` are treated as constants: a cotangent flowing into them is ignored (as in
+    the cuDNN backward), so a loss of ``max_logits`` alone has zero gradient; wrap them in
+    ``jax.lax.stop_gradient`` when using them in a loss to make this explicit. The residuals
+    ``out`` and ``lse`` are tagged with :data:`RESIDUAL_NAMES` for ``jax.checkpoint`` policies
+    (``max_logits`` is not a residual).
 
     Raises:
       TypeError: missing ``sm_scale``, non-integer ``indices``/``topk_length``, non-float or
-        mismatched ``q``/``kv`` dtypes.
+        mismatched ``q``/``kv`` dtypes, ``return_max_logits`` not a bool.
       ValueError: wrong ranks or shapes (named by argument), ``d_v`` out of range, an unknown
         implementation, or ``D_qk`` not in (512, 576) for the GPU implementation.
       NotImplementedError: an implementation that this build does not contain.
     """
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(
+            f"sparse_mla: return_max_logits must be a Python bool, got {return_max_logits!r}"
+        )
     impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]
@@ -117,8 +132,13 @@ def sparse_mla(
     else:
         sink = attn_sink
     config = (float(sm_scale), int(d_v), impl, sparse_mla_xla.default_block_q(s_q, topk, d_qk))
-    out, lse = _sparse_mla(q3, kv3, idx3, sink, len2, config)
-    return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+    # One custom_vjp with three outputs: dropping max_logits here lets XLA remove what only it
+    # needs (the xla path's loop output; the handlers' extra [S_q, H] buffer is all it costs).
+    out, lse, max_logits = _sparse_mla(q3, kv3, idx3, sink, len2, config)
+    out, lse = out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+    if return_max_logits:
+        return out, lse, max_logits.reshape(batch + (s_q, h))
+    return out, lse
 
 
 def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation):
@@ -235,26 +255,25 @@ def _forward(q, kv, indices, sink, lengths, config):
     sm_scale, d_v, impl, block_q = config
     if impl == "cuda":
         return sparse_mla_ffi.cuda_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
-                                           d_v=d_v)
+                                           d_v=d_v, with_max_logits=True)
     if impl == "cpu":
-        out, lse = sparse_mla_ffi.cpu_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
-                                              d_v=d_v)
-        return out, lse
+        return sparse_mla_ffi.cpu_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
+                                          d_v=d_v)
     fwd = functools.partial(sparse_mla_xla.forward, sm_scale=sm_scale, d_v=d_v, block_q=block_q)
     return jax.vmap(fwd, in_axes=(0, 0, 0, None, 0))(q, kv, indices, sink, lengths)
 
 
 def _fwd_rule(q, kv, indices, sink, lengths, config):
-    out, lse = _forward(q, kv, indices, sink, lengths, config)
+    out, lse, max_logits = _forward(q, kv, indices, sink, lengths, config)
     out = checkpoint_name(out, OUT_NAME)
     lse = checkpoint_name(lse, LSE_NAME)
-    return (out, lse), (q, kv, indices, sink, lengths, out, lse)
+    return (out, lse, max_logits), (q, kv, indices, sink, lengths, out, lse)
 
 
 @partition.sparse_mla_backward
 def _bwd_rule(config, residuals, cotangents):
     q, kv, indices, sink, lengths, out, lse = residuals
-    dout, _ = cotangents  # lse takes no gradient (see the docstring)
+    dout = cotangents[0]  # lse and max_logits take no gradient (see the docstring)
     sm_scale, d_v, impl, block_q = config
     if impl == "cuda":
         dq, dkv, dsink = sparse_mla_ffi.cuda_backward(

@@ -24,12 +24,14 @@ def sink_dtype(dtype) -> jnp.dtype:
 
 
 def cpu_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
-    """Host forward: ``out [B, S_q, H, d_v]`` (q's dtype) and ``lse [B, S_q, H]`` float32."""
+    """Host forward: ``out [B, S_q, H, d_v]`` (q's dtype), ``lse [B, S_q, H]`` float32
+    (+inf for rows without a valid slot) and ``max_logits [B, S_q, H]`` float32 (-inf for them)."""
     _native.require("_cpu")
     lead = q.shape[:-1]
     call = jax.ffi.ffi_call(
         CPU_FWD_TARGET,
-        (jax.ShapeDtypeStruct(lead + (d_v,), q.dtype), jax.ShapeDtypeStruct(lead, jnp.float32)),
+        (jax.ShapeDtypeStruct(lead + (d_v,), q.dtype), jax.ShapeDtypeStruct(lead, jnp.float32),
+         jax.ShapeDtypeStruct(lead, jnp.float32)),
         # Unbatched operands get a size-1 leading dim; the handler broadcasts over it.
         vmap_method="expand_dims",
     )

@@ -62,11 +62,15 @@ def _logits(qb, rows, valid, sm_scale, acc):
 
 
 def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
-    """Returns ``out [S_q, H, d_v]`` (q's dtype) and ``lse [S_q, H]`` (float32, sink-free)."""
+    """Returns ``out [S_q, H, d_v]`` (q's dtype), ``lse [S_q, H]`` (float32, sink-free) and
+    ``max_logits [S_q, H]`` (float32: ``sm_scale * max q.k`` over the valid slots, sink-free,
+    -inf for a row without one). Callers that drop ``max_logits`` lose nothing: it is the row
+    maximum the online softmax needs anyway, and XLA removes the unused loop output."""
     s_q, h, _ = q.shape
     s_kv = kv.shape[0]
     if s_kv == 0:  # every slot is invalid
-        return jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32)
+        return (jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32),
+                jnp.full((s_q, h), -jnp.inf, jnp.float32))
     acc = accumulation_dtype(q.dtype)
     sink = attn_sink.astype(acc)
 
@@ -75,9 +79,9 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
         valid, safe = _valid_and_safe(ib, lb, s_kv)
         rows = kv.at[safe].get(mode="fill", fill_value=0)
         s = _logits(qb, rows, valid, sm_scale, acc)
-        m = jnp.max(s, axis=-1)
-        has_slot = jnp.isfinite(m)
-        m = jnp.where(has_slot, m, 0)
+        max_logits = jnp.max(s, axis=-1)  # invalid slots are -inf: -inf for an empty row
+        has_slot = jnp.isfinite(max_logits)
+        m = jnp.where(has_slot, max_logits, 0)
         e = jnp.exp(s - m[..., None])
         l = jnp.sum(e, axis=-1)
         o = jnp.einsum("qhk,qkd->qhd", e, rows[..., :d_v].astype(acc))
@@ -85,12 +89,12 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
         denom = l + jnp.exp(sink[None, :] - m)
         o = jnp.where(has_slot[..., None], o / jnp.where(has_slot, denom, 1)[..., None], 0)
         lse = jnp.where(has_slot, m + jnp.log(jnp.where(has_slot, l, 1)), jnp.inf)
-        return o.astype(q.dtype), lse.astype(jnp.float32)
+        return o.astype(q.dtype), lse.astype(jnp.float32), max_logits.astype(jnp.float32)
 
-    out, lse = jax.lax.map(
+    out, lse, max_logits = jax.lax.map(
         block, (_blocks(q, block_q), _blocks(indices, block_q), _blocks(topk_length, block_q))
     )
-    return _unblock(out, s_q), _unblock(lse, s_q)
+    return _unblock(out, s_q), _unblock(lse, s_q), _unblock(max_logits, s_q)
 
 
 def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v, block_q):

@@ -336,15 +336,16 @@ def head_logsumexp(x, axis: int, layout: Layout):
 # sparse_mla on flattened batches: q [NB, S_q, H, D_qk], kv [NB, S_kv, D_qk],
 # indices [NB, S_q, K], sink [H], lengths [NB, S_q].
 SPARSE_MLA_FWD_ROLES = ("bsh.", "bt.", "bs.", "h", "bs")
-SPARSE_MLA_FWD_RESULTS = (Result("bsh."), Result("bsh"))  # out, lse
+SPARSE_MLA_FWD_RESULTS = (Result("bsh."), Result("bsh"), Result("bsh"))  # out, lse, max_logits
 SPARSE_MLA_BWD_ROLES = SPARSE_MLA_FWD_ROLES + ("bsh.", "bsh", "bsh.")  # + out, lse, dout
 # dq; dkv summed over the local heads and query rows; d_attn_sink over the local rows.
 SPARSE_MLA_BWD_RESULTS = (Result("bsh."), Result("bT.", "h"), Result("h", "bs"))
 
 
 def sparse_mla_forward(forward):
-    """Decorates ``forward(q, kv, indices, sink, lengths, config) -> (out, lse)`` (flattened
-    batch, any implementation) so that it partitions itself."""
+    """Decorates ``forward(q, kv, indices, sink, lengths, config) -> (out, lse, max_logits)``
+    (flattened batch, any implementation) so that it partitions itself; ``lse`` and
+    ``max_logits`` are per query and head, split like ``out``."""
 
     @functools.wraps(forward)
     def wrapped(q, kv, indices, sink, lengths, config):
@@ -372,7 +373,7 @@ def sparse_mla_backward(bwd_rule):
 
         def local(layout, q, kv, indices, sink, lengths, out, lse, dout):
             dq, dkv, _, dsink, _ = bwd_rule(
-                config, (q, kv, indices, sink, lengths, out, lse), (dout, None)
+                config, (q, kv, indices, sink, lengths, out, lse), (dout, None, None)
             )
             return dq, dkv, dsink
 
