@@ -13,13 +13,20 @@ Contract (one launch, flat tokens):
   topk_length and 0 <= index < S_kv; invalid slots are never read (their shared-memory rows are
   zero-filled). Rows with no valid slot: out 0, lse +inf, max_logits -inf.
 
-Schedule (the FlashMLA SM90 idea, our own code): one CTA per (query token, 64-head tile).
-Three warpgroups: WG0 gathers kv rows by index into shared memory with 16-byte cp.async
-(zero-fill for invalid slots) into a two-stage ring guarded by mbarriers (cp.async arrivals), so
-the next block's gather overlaps this block's math. WG1 and WG2 share each 64-row block: each
-computes S = Q K^T for 32 of its rows with wgmma (M = 64 heads), the row max is merged through
-shared memory, P (bf16) goes to shared memory, and each computes O[:, 256 w : 256 w + 256] += P V
-with wgmma (N = 256), so a warpgroup holds a 64 x 256 fp32 accumulator.
+Schedule (the FlashMLA SM90 idea, our own code): one CTA per (query token, 64-head tile),
+three warpgroups. The producer WG gathers kv rows by index into shared memory with 16-byte
+cp.async (zero-fill for invalid slots, never read) into two 64-row stages, each filled in two
+parts guarded by their own mbarriers, and writes each slot's validity next to them. The two
+consumer WGs ping-pong over blocks: WG w computes S = Q K^T (wgmma m64n64, M = 64 heads) and
+the softmax of the blocks n = w, w + 2, ..., and each WG owns the output columns
+[256 w, 256 w + 256) of every block (a 64 x 256 fp32 accumulator). The running row max is a
+chain through shared memory: block n's owner takes M_n from the other WG's block n - 1 and
+publishes M_{n+1}; it keeps P in registers for its own P V (register-A wgmma) and leaves a bf16
+copy in shared memory (in the stage's rope columns, which no one reads after S) for the other
+WG's P V, then signals it on an mbarrier (release / acquire). So one WG's softmax runs while
+the other's matrix products keep the tensor cores busy. Stage parts are released as soon as
+their readers are done: the owner's V half after its own P V, the other half (and P) after the
+other WG's. The output leaves through shared memory as one 512-byte bulk copy per row half.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023).
 """
@@ -32,7 +39,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -50,6 +57,8 @@ D_V = 512
 TILE_M = 64  # heads per CTA (the wgmma M)
 TILE_N = 64  # kv rows per block
 STAGES = 2
+HALF = D_V // 2  # output columns per consumer warpgroup
+O_ROW = HALF + 8  # staged output row (elements): 16 bytes of padding keep the stores conflict-free
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -69,6 +78,26 @@ def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=No
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def _bulk_store(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, *, loc=None, ip=None):
+    """Bulk copy (async proxy) of nbytes contiguous bytes from shared to global memory."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
+         Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _bulk_commit_and_wait_read(*, loc=None, ip=None):
+    """Commit this thread's bulk copies and wait until their shared-memory source was read."""
+    llvm.inline_asm(None, [], "cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;",
+                    "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -107,6 +136,17 @@ def _swizzled_byte_offset(row, col, d):
     return off ^ ((off >> 3) & 0x70)
 
 
+_PV_K_STEPS = tuple(range(TILE_N // 16))
+
+
+def _s_k_steps(w: int, d: int):
+    """k steps (16 columns each) of WG w's S = Q K^T: its own V half first (that part of a stage
+    is refilled first), then the other half and the rope columns."""
+    own = tuple(range(16 * w, 16 * w + 16))
+    rest = tuple(range(16 * (1 - w), 16 * (1 - w) + 16)) + tuple(range(32, d // 16))
+    return own, rest
+
+
 class SparseMlaFwdSm90:
     def __init__(self, heads: int, d_qk: int):
         assert heads % TILE_M == 0 and d_qk in (512, 576)
@@ -123,53 +163,64 @@ class SparseMlaFwdSm90:
         d = self.d
         mma_s = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 2, 1), tiler_mn=(TILE_M, TILE_N // 2))
-        mma_o = sm90_utils.make_trivial_tiled_mma(
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N))
+        mma_rs = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 2, 1), tiler_mn=(TILE_M, D_V // 2))
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, HALF),
+            a_source=warpgroup.OperandSource.RMEM)
+        mma_ss = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, HALF))
         sQ_layout = _smem_layout((TILE_M, d))
         sK_layout = _smem_layout((TILE_N, d))
         sV_layout = _smem_layout((TILE_N, D_V))
         sP_layout = _smem_layout((TILE_M, TILE_N))
+        # D_qk 576: P lives in the stage's rope columns; 512 has no rope, so P gets its own room.
+        p_elems = STAGES * TILE_M * TILE_N if d == 512 else 64
 
         @cute.struct
         class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, STAGES]
-            empty: cute.struct.MemRange[cutlass.Int64, STAGES]
+            full_own: cute.struct.MemRange[cutlass.Int64, STAGES]
+            full_rest: cute.struct.MemRange[cutlass.Int64, STAGES]
+            empty_own: cute.struct.MemRange[cutlass.Int64, STAGES]
+            empty_rest: cute.struct.MemRange[cutlass.Int64, STAGES]
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
-            row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * TILE_M], 16]
+            ready: cute.struct.MemRange[cutlass.Int64, 2]  # WG w published M and P of a block
+            row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
+            valid: cute.struct.Align[cute.struct.MemRange[Uint8, STAGES * TILE_N], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_M * d], 1024]
             sKV0: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sKV1: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_M * TILE_N], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, p_elems], 1024]
 
         self.storage_cls = Storage
         grid = (mQ.shape[0] * (self.h // TILE_M), 1, 1)
-        self.kernel(mQ, mKV, mIdx, mLen, mSink, mOut, mLse, mMax, sm_scale, mma_s, mma_o,
+        self.kernel(mQ, mKV, mIdx, mLen, mSink, mOut, mLse, mMax, sm_scale, mma_s, mma_rs, mma_ss,
                     sQ_layout, sK_layout, sV_layout, sP_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
-    def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              zero_init: cutlass.Constexpr[bool]):
-        warpgroup.fence()
+    def _mma(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+             k_steps, zero_init: cutlass.Constexpr[bool]):
+        """Issue acc (+)= A B^T over the given k steps (no fence, no commit)."""
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        for k in k_steps:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
-               sm_scale: Float32, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout):
+               sm_scale: Float32, mma_s: cute.TiledMma, mma_rs: cute.TiledMma,
+               mma_ss: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout):
         d = self.d
         h = self.h
+        n_chunks = d // 64  # 64-column chunks of a row: 4 per V half, then the rope chunk
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -183,14 +234,22 @@ class SparseMlaFwdSm90:
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage_cls)
-        full = st.full.data_ptr()
-        empty = st.empty.data_ptr()
+        full_own = st.full_own.data_ptr()
+        full_rest = st.full_rest.data_ptr()
+        empty_own = st.empty_own.data_ptr()
+        empty_rest = st.empty_rest.data_ptr()
         q_full = st.q_full.data_ptr()
+        ready = st.ready.data_ptr()
         if tidx == 0:
             for i in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(full + i, 128)
-                cute.arch.mbarrier_init(empty + i, 256)
+                # 128 cp.async arrivals + 128 plain arrivals after the validity bytes
+                cute.arch.mbarrier_init(full_own + i, 256)
+                cute.arch.mbarrier_init(full_rest + i, 128)
+                cute.arch.mbarrier_init(empty_own + i, 128)
+                cute.arch.mbarrier_init(empty_rest + i, 128)
             cute.arch.mbarrier_init(q_full, 128)
+            cute.arch.mbarrier_init(ready, 128)
+            cute.arch.mbarrier_init(ready + 1, 128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -199,182 +258,312 @@ class SparseMlaFwdSm90:
               st.sKV1.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)]
         sV = [st.sKV0.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
               st.sKV1.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)]
-        sP = st.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        if const_expr(d == 576):
+            # columns 512..575 of a stage: one contiguous 64 x 64 swizzled tile
+            p_base = [st.sKV0.data_ptr() + D_V * TILE_N, st.sKV1.data_ptr() + D_V * TILE_N]
+        else:
+            p_base = [st.sP.data_ptr(), st.sP.data_ptr() + TILE_M * TILE_N]
+        sP = [cute.make_tensor(cute.recast_ptr(p_base[0], sP_layout.inner, dtype=BFloat16),
+                               sP_layout.outer),
+              cute.make_tensor(cute.recast_ptr(p_base[1], sP_layout.inner, dtype=BFloat16),
+                               sP_layout.outer)]
+        sValid = cute.make_tensor(st.valid.data_ptr(), cute.make_layout((STAGES, TILE_N),
+                                                                        stride=(TILE_N, 1)))
 
         if warp < 4:
             # ---------------- producer: gather kv rows by index ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             r_in = tidx // 8  # 16 rows per pass
-            c_in = tidx % 8  # 8 x 16 B = 128 contiguous bytes of a row per pass
+            c_in = tidx % 8  # 8 x 16 B = one 64-column chunk of a row per pass
             q_smem = st.sQ.data_ptr().toint()
             kv_smem = st.sKV0.data_ptr().toint()
             kv_stage_bytes = Int32(TILE_N * d * 2)
             q_row0 = mQ.iterator.toint() + (Int64(s) * h + h0) * (d * 2)
             kv_base = mKV.iterator.toint()
+            # this thread's kv row ids, loaded one block ahead (global load latency off the path);
+            # block 0's are requested first, before n_len is known, and masked after the Q copy
+            nxt = cute.make_rmem_tensor((TILE_N // 16,), Int32)
+            self._load_rows(mIdx, s, Int32(0), k_slots, r_in, nxt)
             for i in cutlass.range_constexpr(TILE_M // 16):
                 row = r_in + 16 * i
-                for j in cutlass.range_constexpr(d // 64):
+                for j in cutlass.range_constexpr(n_chunks):
                     col = (c_in + 8 * j) * 8
                     _cp_async_16(q_smem + _swizzled_byte_offset(row, col, d),
                                  q_row0 + Int64(row * d + col) * 2, Int32(16))
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
-            idx_row = mIdx.iterator.toint() + Int64(s) * Int64(k_slots) * 4
-            for blk in cutlass.range(n_blk, unroll=1):
-                stage = blk % STAGES
-                if blk >= STAGES:
-                    cute.arch.mbarrier_wait(empty + stage, ((blk // STAGES) - 1) % 2)
-                stage_smem = kv_smem + stage * kv_stage_bytes
-                for i in cutlass.range_constexpr(TILE_N // 16):
-                    row = r_in + 16 * i
-                    pos = blk * TILE_N + row
-                    kv_row = Int32(-1)
-                    if pos < n_len:
-                        kv_row = mIdx[s, pos]
-                    ok = kv_row >= 0 and kv_row < s_kv
-                    nbytes = Int32(0)
-                    src = kv_base
-                    if ok:
-                        nbytes = Int32(16)
-                        src = kv_base + Int64(kv_row) * (d * 2)
-                    for j in cutlass.range_constexpr(d // 64):
-                        col = (c_in + 8 * j) * 8
-                        _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
-                                     src + col * 2, nbytes)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-        else:
-            # ---------------- consumers: two warpgroups ----------------
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            ctid = tidx - 128
-            wg = ctid // 128
-            lane = tidx % 32
-            scale_log2 = sm_scale * LOG2E
-
-            thr_s = mma_s.get_slice(ctid)
-            thr_o = mma_o.get_slice(ctid)
-            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
-            tSrK = [thr_s.make_fragment_B(thr_s.partition_B(sK[0])),
-                    thr_s.make_fragment_B(thr_s.partition_B(sK[1]))]
-            tOrP = thr_o.make_fragment_A(thr_o.partition_A(sP))
-            tOrV = [thr_o.make_fragment_B(thr_o.partition_B(_transpose(sV[0]))),
-                    thr_o.make_fragment_B(thr_o.partition_B(_transpose(sV[1])))]
-            tPsP = thr_s.partition_C(sP)
-            cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-
-            acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((TILE_M, D_V)), Float32)
-            acc_o.fill(0.0)
-            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
-            n_s = cute.size(acc_s)
-            n_o = cute.size(acc_o)
-            # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
-            row_max = cute.make_rmem_tensor((2,), Float32)
-            row_sum = cute.make_rmem_tensor((2,), Float32)
-            row_max.fill(-math.inf)
-            row_sum.fill(0.0)
-            rows = cute.make_rmem_tensor((2,), Int32)
-            rows[0] = cS[0][0]
-            rows[1] = cS[2][0]
-            sMax = cute.make_tensor(st.row_max.data_ptr(), cute.make_layout((2, 2, TILE_M)))
-            sSum = cute.make_tensor(st.row_sum.data_ptr(), cute.make_layout((2, TILE_M)))
-            valid = cute.make_rmem_tensor((n_s,), Boolean)
-
-            cute.arch.mbarrier_wait(q_full, 0)
+            src = cute.make_rmem_tensor((TILE_N // 16,), Int64)
+            nbytes = cute.make_rmem_tensor((TILE_N // 16,), Int32)
+            for i in cutlass.range_constexpr(TILE_N // 16):
+                if r_in + 16 * i >= n_len:
+                    nxt[i] = Int32(-1)
             n_pair = (n_blk + 1) // 2
             for bp in cutlass.range(n_pair, unroll=1):
                 for stage in cutlass.range_constexpr(STAGES):
                     blk = bp * STAGES + stage
                     if blk < n_blk:
-                        # slot validity of this thread's columns (reads overlap the gather)
-                        # element i is column 2 * (i // 4) + i % 2 (+ the thread's base) and
-                        # row half (i // 2) % 2: elements i and i + 2 share a column
-                        for i in cutlass.range_constexpr(n_s):
-                            if const_expr((i // 2) % 2 == 0):
-                                pos = blk * TILE_N + cS[i][1]
-                                kv_row = Int32(-1)
-                                if pos < n_len:
-                                    kv_row = mIdx[s, pos]
-                                valid[i] = kv_row >= 0 and kv_row < s_kv
-                            else:
-                                valid[i] = valid[i - 2]
-                        cute.arch.mbarrier_wait(full + stage, bp % 2)
-                        cute.arch.fence_view_async_shared()
-                        self._gemm(mma_s, acc_s, tSrQ, tSrK[stage], True)
-                        warpgroup.wait_group(0)
-                        # block row max over both warpgroups
-                        m_loc = cute.make_rmem_tensor((2,), Float32)
-                        m_loc.fill(-math.inf)
-                        for i in cutlass.range_constexpr(n_s):
-                            v = acc_s[i] if valid[i] else Float32(-math.inf)
-                            acc_s[i] = v
-                            m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], v)
-                        for r in cutlass.range_constexpr(2):
-                            m = m_loc[r]
-                            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
-                            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-                            m_loc[r] = m
-                            if lane % 4 == 0:
-                                sMax[blk % 2, wg, rows[r]] = m
-                        cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                        scale_row = cute.make_rmem_tensor((2,), Float32)
-                        m_use = cute.make_rmem_tensor((2,), Float32)
-                        for r in cutlass.range_constexpr(2):
-                            m_new = cute.arch.fmax(row_max[r], cute.arch.fmax(
-                                m_loc[r], sMax[blk % 2, 1 - wg, rows[r]]))
-                            mu = m_new
-                            if m_new == -math.inf:
-                                mu = Float32(0.0)
-                            scale_row[r] = _ex2((row_max[r] - mu) * scale_log2)
-                            m_use[r] = mu * scale_log2
-                            row_max[r] = m_new
-                        psum = cute.make_rmem_tensor((2,), Float32)
-                        psum.fill(0.0)
-                        for i in cutlass.range_constexpr(n_s):
-                            p = _ex2(acc_s[i] * scale_log2 - m_use[(i // 2) % 2])
-                            acc_s[i] = p
-                            psum[(i // 2) % 2] = psum[(i // 2) % 2] + p
-                        for r in cutlass.range_constexpr(2):
-                            row_sum[r] = row_sum[r] * scale_row[r] + psum[r]
-                        for i in cutlass.range_constexpr(n_o):
-                            acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
-                        rP = cute.make_rmem_tensor_like(acc_s, BFloat16)
-                        rP.store(acc_s.load().to(BFloat16))
-                        cute.autovec_copy(rP, tPsP)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier(barrier_id=2, number_of_threads=256)
-                        self._gemm(mma_o, acc_o, tOrP, tOrV[stage], False)
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(empty + stage)
+                        cur = cute.make_rmem_tensor((TILE_N // 16,), Int32)
+                        for i in cutlass.range_constexpr(TILE_N // 16):
+                            cur[i] = nxt[i]
+                        self._load_rows(mIdx, s, blk + 1, n_len, r_in, nxt)
+                        for i in cutlass.range_constexpr(TILE_N // 16):
+                            kv_row = cur[i]
+                            ok = kv_row >= 0 and kv_row < s_kv
+                            nbytes[i] = Int32(0)
+                            src[i] = kv_base
+                            if ok:
+                                nbytes[i] = Int32(16)
+                                src[i] = kv_base + Int64(kv_row) * (d * 2)
+                        stage_smem = kv_smem + stage * kv_stage_bytes
+                        if blk >= STAGES:
+                            cute.arch.mbarrier_wait(empty_own + stage, (bp - 1) % 2)
+                        # part 1: the owner's V half (and the slot validity)
+                        for i in cutlass.range_constexpr(TILE_N // 16):
+                            row = r_in + 16 * i
+                            for j in cutlass.range_constexpr(4):
+                                col = (c_in + 8 * (4 * stage + j)) * 8
+                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
+                                             src[i] + col * 2, nbytes[i])
+                            if c_in == 0:
+                                sValid[stage, row] = Uint8(nbytes[i] != 0)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(full_own + stage)
+                        cute.arch.mbarrier_arrive(full_own + stage)
+                        # part 2: the other V half and the rope columns
+                        if blk >= STAGES:
+                            cute.arch.mbarrier_wait(empty_rest + stage, (bp - 1) % 2)
+                        for i in cutlass.range_constexpr(TILE_N // 16):
+                            row = r_in + 16 * i
+                            for j in cutlass.range_constexpr(n_chunks - 4):
+                                jj = 4 * (1 - stage) + j if j < 4 else j + 4
+                                col = (c_in + 8 * jj) * 8
+                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
+                                             src[i] + col * 2, nbytes[i])
+                        cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            # ---------------- consumers: two warpgroups in ping-pong ----------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg = (warp - 4) // 4
+            for w in cutlass.range_constexpr(2):
+                if wg == w:
+                    self._consumer(w, tidx % 128, tidx % 32, s, h0, n_blk, sm_scale, mSink, mOut,
+                                   st.sQ.data_ptr(),
+                                   mLse, mMax, mma_s, mma_rs, mma_ss, sQ, sK, sV, sP, sValid,
+                                   st.row_max.data_ptr(), st.row_sum.data_ptr(), full_own,
+                                   full_rest, empty_own, empty_rest, q_full, ready)
 
-            # ---------------- epilogue ----------------
-            for r in cutlass.range_constexpr(2):
-                l = row_sum[r]
-                l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
-                l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
-                row_sum[r] = l
+    @cute.jit
+    def _load_rows(self, mIdx: cute.Tensor, s: Int32, blk: Int32, n_len: Int32, r_in: Int32,
+                   rows: cute.Tensor):
+        """kv row ids of this producer thread's four rows of block blk (-1 past n_len)."""
+        for i in cutlass.range_constexpr(TILE_N // 16):
+            pos = blk * TILE_N + r_in + 16 * i
+            kv_row = Int32(-1)
+            if pos < n_len:
+                kv_row = mIdx[s, pos]
+            rows[i] = kv_row
+
+    @cute.jit
+    def _consumer(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, s: Int32, h0: Int32,
+                  n_blk: Int32, sm_scale: Float32, mSink: cute.Tensor, mOut: cute.Tensor, o_smem,
+                  mLse: cute.Tensor, mMax: cute.Tensor, mma_s: cute.TiledMma,
+                  mma_rs: cute.TiledMma, mma_ss: cute.TiledMma, sQ, sK, sV, sP,
+                  sValid: cute.Tensor, row_max_ptr, row_sum_ptr, full_own, full_rest, empty_own,
+                  empty_rest, q_full, ready):
+        d = self.d
+        h = self.h
+        o = 1 - w  # the other consumer warpgroup (and the stage of its blocks)
+        scale_log2 = sm_scale * LOG2E
+        thr_s = mma_s.get_slice(wtid)
+        thr_rs = mma_rs.get_slice(wtid)
+        thr_ss = mma_ss.get_slice(wtid)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[w]))
+        tOrV_own = thr_rs.make_fragment_B(thr_rs.partition_B(
+            cute.local_tile(_transpose(sV[w]), (HALF, TILE_N), (w, 0))))
+        tOrV_oth = thr_ss.make_fragment_B(thr_ss.partition_B(
+            cute.local_tile(_transpose(sV[o]), (HALF, TILE_N), (w, 0))))
+        tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP[o]))
+        tPsP = thr_s.partition_C(sP[w])
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+
+        acc_o = cute.make_rmem_tensor(thr_rs.partition_shape_C((TILE_M, HALF)), Float32)
+        acc_o.fill(0.0)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
+        # P as the register A operand of the P V wgmma: the m64n64 accumulator fragment read as
+        # four k16 slices (elements 8k..8k+7 are k slice k), i.e. the same registers in order.
+        rP = cute.make_rmem_tensor(
+            cute.make_layout(((2, 2, 2), 1, TILE_N // 16), stride=((1, 2, 4), 0, 8)), BFloat16)
+        rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
+        n_o = cute.size(acc_o)
+        # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
+        rows = cute.make_rmem_tensor((2,), Int32)
+        rows[0] = cS[0][0]
+        rows[1] = cS[2][0]
+        m_cur = cute.make_rmem_tensor((2,), Float32)  # row max (raw logits) O is relative to
+        l_sum = cute.make_rmem_tensor((2,), Float32)  # this thread's part of the row sum
+        m_cur.fill(-math.inf)
+        l_sum.fill(0.0)
+        sMax = cute.make_tensor(row_max_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
+        sSum = cute.make_tensor(row_sum_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
+
+        cute.arch.mbarrier_wait(q_full, 0)
+        n_own = cutlass.max((n_blk - w + 1) // 2, 0)
+        st = (w, o, d, acc_s, acc_o, rP, rP_as_s, tSrQ, tSrK, tOrV_own, tOrP_oth, tOrV_oth, tPsP,
+              cS, rows, m_cur, l_sum, sMax, sValid, mma_s, mma_rs, mma_ss, lane, scale_log2,
+              full_own, full_rest, empty_own, empty_rest, ready)
+        # Block 0 has no predecessor: WG0's first block is peeled so that no wgmma sits in a
+        # data-dependent branch (ptxas would serialize them).
+        if const_expr(w == 0):
+            if n_own > 0:
+                self._own_block(st, Int32(0), False)
+            for it in cutlass.range(1, n_own, unroll=1):
+                self._own_block(st, it, True)
+        else:
+            for it in cutlass.range(n_own, unroll=1):
+                self._own_block(st, it, True)
+
+        warpgroup.wait_group(0)
+        if n_blk > 0 and (n_blk - 1) % 2 == o:
+            # the last block is the other WG's
+            self._other_block(o, acc_o, tOrP_oth, tOrV_oth, mma_ss, sMax, rows, m_cur, l_sum,
+                              scale_log2, ready, ((n_blk - 1) // 2) % 2)
+            warpgroup.wait_group(0)
+
+        # ---------------- epilogue ----------------
+        for r in cutlass.range_constexpr(2):
+            l = l_sum[r]
+            l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
+            l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
+            if lane % 4 == 0:
+                sSum[w, rows[r]] = l
+        cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        factor = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            l = sSum[0, rows[r]] + sSum[1, rows[r]]  # same order in both WGs
+            m = m_cur[r]
+            lse = Float32(math.inf)
+            mx = Float32(-math.inf)
+            f = Float32(0.0)
+            if l > 0.0:
+                m_scaled = m * sm_scale
+                lse = m_scaled + _lg2(l) * LN2
+                mx = m_scaled
+                sink = mSink[h0 + rows[r]]
+                f = 1.0 / (l + _ex2((sink - m_scaled) * LOG2E))
+            factor[r] = f
+            if const_expr(w == 0):
                 if lane % 4 == 0:
-                    sSum[wg, rows[r]] = l
-            cute.arch.barrier(barrier_id=3, number_of_threads=256)
-            factor = cute.make_rmem_tensor((2,), Float32)
-            for r in cutlass.range_constexpr(2):
-                l = row_sum[r] + sSum[1 - wg, rows[r]]
-                m = row_max[r]
-                lse = Float32(math.inf)
-                mx = Float32(-math.inf)
-                f = Float32(0.0)
-                if l > 0.0:
-                    m_scaled = m * sm_scale
-                    lse = m_scaled + _lg2(l) * LN2
-                    mx = m_scaled
-                    sink = mSink[h0 + rows[r]]
-                    f = 1.0 / (l + _ex2((sink - m_scaled) * LOG2E))
-                factor[r] = f
-                if wg == 0 and lane % 4 == 0:
                     mLse[s, h0 + rows[r]] = lse
                     mMax[s, h0 + rows[r]] = mx
-            rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
-            for i in cutlass.range_constexpr(n_o):
-                rO[i] = (acc_o[i] * factor[(i // 2) % 2]).to(BFloat16)
-            gO = cute.make_tensor(mOut.iterator + (Int64(s) * h + h0) * D_V,
-                                  cute.make_layout((TILE_M, D_V), stride=(D_V, 1)))
-            cute.autovec_copy(rO, thr_o.partition_C(gO))
+        # O goes through shared memory (the Q room: every S is done) and leaves as one 512-byte
+        # bulk copy per row, instead of scattered 2-byte stores from the fragment.
+        rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
+        for i in cutlass.range_constexpr(n_o):
+            rO[i] = (acc_o[i] * factor[(i // 2) % 2]).to(BFloat16)
+        sO = cute.make_tensor(o_smem + w * TILE_M * O_ROW,
+                              cute.make_layout((TILE_M, HALF), stride=(O_ROW, 1)))
+        cute.autovec_copy(rO, thr_rs.partition_C(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=4 + w, number_of_threads=128)
+        if wtid < TILE_M:
+            g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + wtid) * D_V + w * HALF) * 2
+            _bulk_store(g_row, (o_smem + (w * TILE_M + wtid) * O_ROW).toint(), Int32(HALF * 2))
+            _bulk_commit_and_wait_read()
+
+    @cute.jit
+    def _own_block(self, st, it: Int32, has_other: cutlass.Constexpr[bool]):
+        """WG w's block n = w + 2 it: S, softmax (publishing M_{n+1} and P_n), and its P V; with
+        the other WG's block n - 1 (P V from shared memory) slotted in while S_n runs."""
+        (w, o, d, acc_s, acc_o, rP, rP_as_s, tSrQ, tSrK, tOrV_own, tOrP_oth, tOrV_oth, tPsP,
+         cS, rows, m_cur, l_sum, sMax, sValid, mma_s, mma_rs, mma_ss, lane, scale_log2,
+         full_own, full_rest, empty_own, empty_rest, ready) = st
+        n_s = cute.size(acc_s)
+        n_o = cute.size(acc_o)
+        steps_own, steps_rest = _s_k_steps(w, d)
+        ph = it % 2
+        warpgroup.wait_group(0)  # own P V of block n - 2 done: its V half is free
+        if it > 0:
+            cute.arch.mbarrier_arrive(empty_own + w)
+        # S_n = Q K_n^T
+        cute.arch.mbarrier_wait(full_own + w, ph)
+        cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        self._mma(mma_s, acc_s, tSrQ, tSrK, steps_own, True)
+        cute.arch.mbarrier_wait(full_rest + w, ph)
+        cute.arch.fence_view_async_shared()
+        self._mma(mma_s, acc_s, tSrQ, tSrK, steps_rest, False)
+        warpgroup.commit_group()
+        if const_expr(has_other):
+            # the other WG's block n - 1: M_n and P_{n-1} are published
+            self._other_block(o, acc_o, tOrP_oth, tOrV_oth, mma_ss, sMax, rows, m_cur, l_sum,
+                              scale_log2, ready, (it - 1 + w) % 2)
+            warpgroup.wait_group(1)  # S_n done; P V of block n - 1 may still run
+        else:
+            warpgroup.wait_group(0)
+        # mask invalid slots, row max over this block and the chain
+        m_loc = cute.make_rmem_tensor((2,), Float32)
+        m_loc.fill(-math.inf)
+        for i in cutlass.range_constexpr(n_s):
+            v = acc_s[i]
+            if sValid[w, cS[i][1]] == 0:
+                v = Float32(-math.inf)
+            acc_s[i] = v
+            m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], v)
+        m_use = cute.make_rmem_tensor((2,), Float32)
+        scale_row = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            m = m_loc[r]
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+            m_new = cute.arch.fmax(m_cur[r], m)
+            if lane % 4 == 0:
+                sMax[w, rows[r]] = m_new
+            mu = m_new
+            if m_new == -math.inf:
+                mu = Float32(0.0)
+            scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+            m_use[r] = mu * scale_log2
+            m_cur[r] = m_new
+        psum = cute.make_rmem_tensor((2,), Float32)
+        psum.fill(0.0)
+        for i in cutlass.range_constexpr(n_s):
+            p = _ex2(acc_s[i] * scale_log2 - m_use[(i // 2) % 2])
+            acc_s[i] = p
+            psum[(i // 2) % 2] = psum[(i // 2) % 2] + p
+        rP_as_s.store(acc_s.load().to(BFloat16))
+        cute.autovec_copy(rP_as_s, tPsP)
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(ready + w)  # block n published (release)
+        if const_expr(has_other):
+            warpgroup.wait_group(0)  # P V of block n - 1 done: release its part
+            cute.arch.mbarrier_arrive(empty_rest + o)
+        for r in cutlass.range_constexpr(2):
+            l_sum[r] = l_sum[r] * scale_row[r] + psum[r]
+        for i in cutlass.range_constexpr(n_o):
+            acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+        warpgroup.fence()
+        self._mma(mma_rs, acc_o, rP, tOrV_own, _PV_K_STEPS, False)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _other_block(self, o: cutlass.Constexpr[int], acc_o: cute.Tensor, tOrP: cute.Tensor,
+                     tOrV: cute.Tensor, mma_ss: cute.TiledMma, sMax: cute.Tensor,
+                     rows: cute.Tensor, m_cur: cute.Tensor, l_sum: cute.Tensor,
+                     scale_log2: Float32, ready, phase: Int32):
+        """Wait for the other WG's next block, rebase O to its published max, issue its P V."""
+        cute.arch.mbarrier_wait(ready + o, phase)  # acquire: its M and P are visible
+        scale_row = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            m_new = sMax[o, rows[r]]
+            mu = m_new
+            if m_new == -math.inf:
+                mu = Float32(0.0)
+            scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+            m_cur[r] = m_new
+            l_sum[r] = l_sum[r] * scale_row[r]
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+        warpgroup.fence()
+        self._mma(mma_ss, acc_o, tOrP, tOrV, _PV_K_STEPS, False)
+        warpgroup.commit_group()
