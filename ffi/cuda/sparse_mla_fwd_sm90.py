@@ -101,6 +101,14 @@ def _bulk_commit_and_wait_read(*, loc=None, ip=None):
 
 
 @dsl_user_op
+def _barrier_sync(barrier_id: int, n_threads: int, *, loc=None, ip=None):
+    """Named barrier, non-aligned form: the two consumer WGs reach it from different code."""
+    llvm.inline_asm(None, [], f"barrier.sync {barrier_id}, {n_threads};", "",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def _lg2(a: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(
         T.f32(), [Float32(a).ir_value(loc=loc, ip=ip)], "lg2.approx.f32 $0, $1;", "=f,f",
@@ -437,7 +445,7 @@ class SparseMlaFwdSm90:
             l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
             if lane % 4 == 0:
                 sSum[w, rows[r]] = l
-        cute.arch.barrier(barrier_id=3, number_of_threads=256)
+        _barrier_sync(3, 256)
         factor = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             l = sSum[0, rows[r]] + sSum[1, rows[r]]  # same order in both WGs
@@ -465,10 +473,12 @@ class SparseMlaFwdSm90:
                               cute.make_layout((TILE_M, HALF), stride=(O_ROW, 1)))
         cute.autovec_copy(rO, thr_rs.partition_C(sO))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=4 + w, number_of_threads=128)
-        if wtid < TILE_M:
-            g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + wtid) * D_V + w * HALF) * 2
-            _bulk_store(g_row, (o_smem + (w * TILE_M + wtid) * O_ROW).toint(), Int32(HALF * 2))
+        # warp k of the WG holds rows 16 k .. 16 k + 15 of the fragment: it copies those itself
+        cute.arch.sync_warp()
+        if lane < 16:
+            row = (wtid // 32) * 16 + lane
+            g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + row) * D_V + w * HALF) * 2
+            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(), Int32(HALF * 2))
             _bulk_commit_and_wait_read()
 
     @cute.jit
