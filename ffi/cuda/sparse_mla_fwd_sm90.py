@@ -64,14 +64,16 @@ LN2 = math.log(2.0)
 
 
 @dsl_user_op
-def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None):
-    """16-byte cp.async (L2 only); src_bytes 0 writes zeros without reading global memory."""
+def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, policy: Int64, *,
+                 loc=None, ip=None):
+    """16-byte cp.async (L2 only, with an L2 eviction policy); src_bytes 0 writes zeros without
+    reading global memory."""
     llvm.inline_asm(
         None,
         [Int32(smem_addr).ir_value(loc=loc, ip=ip), Int64(gmem_addr).ir_value(loc=loc, ip=ip),
-         Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
+         Int32(src_bytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;",
+        "r,l,r,l",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -81,14 +83,26 @@ def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=No
 
 
 @dsl_user_op
-def _bulk_store(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, *, loc=None, ip=None):
+def _l2_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
+    """L2 eviction policy: evict_last for kv rows (reused by many queries), evict_first for
+    what streams through once (q, out), so the streams do not push kv out of L2."""
+    kind = "evict_last" if evict_last else "evict_first"
+    return Int64(llvm.inline_asm(
+        T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _bulk_store(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, policy: Int64, *, loc=None,
+                ip=None):
     """Bulk copy (async proxy) of nbytes contiguous bytes from shared to global memory."""
     llvm.inline_asm(
         None,
         [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
-         Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r", has_side_effects=True, is_align_stack=False,
+         Int32(nbytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [$0], [$1], $2, $3;",
+        "l,r,r,l", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -288,6 +302,8 @@ class SparseMlaFwdSm90:
             kv_stage_bytes = Int32(TILE_N * d * 2)
             q_row0 = mQ.iterator.toint() + (Int64(s) * h + h0) * (d * 2)
             kv_base = mKV.iterator.toint()
+            keep = _l2_policy(True)
+            stream_once = _l2_policy(False)
             # this thread's kv row ids, loaded one block ahead (global load latency off the path);
             # block 0's are requested first, before n_len is known, and masked after the Q copy
             nxt = cute.make_rmem_tensor((TILE_N // 16,), Int32)
@@ -297,7 +313,7 @@ class SparseMlaFwdSm90:
                 for j in cutlass.range_constexpr(n_chunks):
                     col = (c_in + 8 * j) * 8
                     _cp_async_16(q_smem + _swizzled_byte_offset(row, col, d),
-                                 q_row0 + Int64(row * d + col) * 2, Int32(16))
+                                 q_row0 + Int64(row * d + col) * 2, Int32(16), stream_once)
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
             src = cute.make_rmem_tensor((TILE_N // 16,), Int64)
             nbytes = cute.make_rmem_tensor((TILE_N // 16,), Int32)
@@ -330,7 +346,7 @@ class SparseMlaFwdSm90:
                             for j in cutlass.range_constexpr(4):
                                 col = (c_in + 8 * (4 * stage + j)) * 8
                                 _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
-                                             src[i] + col * 2, nbytes[i])
+                                             src[i] + col * 2, nbytes[i], keep)
                             if c_in == 0:
                                 sValid[stage, row] = Uint8(nbytes[i] != 0)
                         cute.arch.cp_async_mbarrier_arrive_noinc(full_own + stage)
@@ -344,7 +360,7 @@ class SparseMlaFwdSm90:
                                 jj = 4 * (1 - stage) + j if j < 4 else j + 4
                                 col = (c_in + 8 * jj) * 8
                                 _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
-                                             src[i] + col * 2, nbytes[i])
+                                             src[i] + col * 2, nbytes[i], keep)
                         cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
@@ -478,7 +494,8 @@ class SparseMlaFwdSm90:
         if lane < 16:
             row = (wtid // 32) * 16 + lane
             g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + row) * D_V + w * HALF) * 2
-            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(), Int32(HALF * 2))
+            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(), Int32(HALF * 2),
+                        _l2_policy(False))
             _bulk_commit_and_wait_read()
 
     @cute.jit
