@@ -22,11 +22,13 @@ the softmax of the blocks n = w, w + 2, ..., and each WG owns the output columns
 [256 w, 256 w + 256) of every block (a 64 x 256 fp32 accumulator). The running row max is a
 chain through shared memory: block n's owner takes M_n from the other WG's block n - 1 and
 publishes M_{n+1}; it keeps P in registers for its own P V (register-A wgmma) and leaves a bf16
-copy in shared memory (in the stage's rope columns, which no one reads after S) for the other
-WG's P V, then signals it on an mbarrier (release / acquire). So one WG's softmax runs while
-the other's matrix products keep the tensor cores busy. Stage parts are released as soon as
-their readers are done: the owner's V half after its own P V, the other half (and P) after the
-other WG's. The output leaves through shared memory as one 512-byte bulk copy per row half.
+copy in shared memory (D_qk 576: in the stage's rope columns, which no one reads after S; 512:
+a room of its own) for the other WG's P V, then signals it on an mbarrier (release / acquire).
+So one WG's softmax runs while the other's matrix products keep the tensor cores busy. Stage
+parts are released as soon as their readers are done: the owner's V half after its own P V,
+the other half (and P) after the other WG's. The output leaves through shared memory (the Q
+room, sized for it) as one 512-byte bulk copy per row half. L2 eviction policies keep the kv
+rows (reused by many queries) and let q and out stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023).
 """
@@ -150,11 +152,11 @@ def _transpose(t):
     return cute.composition(t, cute.make_ordered_layout((t.shape[1], t.shape[0]), order=(1, 0)))
 
 
-def _swizzled_byte_offset(row, col, d):
-    """Byte offset of element (row, col) of a [64, d] tile in _smem_layout (SW128, K-major,
+def _swizzled_byte_offset(row, col, rows):
+    """Byte offset of element (row, col) of a [rows, D] tile in _smem_layout (SW128, K-major,
     8-row x 64-column atoms tiled down the rows first): plain offset row*64 + col%64 +
-    (col/64)*4096 elements, then the 128-byte swizzle (bits 4-6 ^= bits 7-9)."""
-    off = (row * 64 + (col % 64) + (col // 64) * (TILE_N * 64)) * 2
+    (col/64)*rows*64 elements, then the 128-byte swizzle (bits 4-6 ^= bits 7-9)."""
+    off = (row * 64 + (col % 64) + (col // 64) * (rows * 64)) * 2
     return off ^ ((off >> 3) & 0x70)
 
 
@@ -199,6 +201,8 @@ class SparseMlaFwdSm90:
         sP_layout = _smem_layout((TILE_M, TILE_N))
         # D_qk 576: P lives in the stage's rope columns; 512 has no rope, so P gets its own room.
         p_elems = STAGES * TILE_M * TILE_N if d == 512 else 64
+        # the Q room also stages the output at the end (both WGs' halves, padded rows)
+        q_elems = max(TILE_M * d, 2 * TILE_M * O_ROW)
 
         @cute.struct
         class Storage:
@@ -211,7 +215,7 @@ class SparseMlaFwdSm90:
             row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             valid: cute.struct.Align[cute.struct.MemRange[Uint8, STAGES * TILE_N], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_M * d], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, q_elems], 1024]
             sKV0: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sKV1: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, p_elems], 1024]
@@ -312,7 +316,7 @@ class SparseMlaFwdSm90:
                 row = r_in + 16 * i
                 for j in cutlass.range_constexpr(n_chunks):
                     col = (c_in + 8 * j) * 8
-                    _cp_async_16(q_smem + _swizzled_byte_offset(row, col, d),
+                    _cp_async_16(q_smem + _swizzled_byte_offset(row, col, TILE_M),
                                  q_row0 + Int64(row * d + col) * 2, Int32(16), stream_once)
             cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
             src = cute.make_rmem_tensor((TILE_N // 16,), Int64)
@@ -345,7 +349,7 @@ class SparseMlaFwdSm90:
                             row = r_in + 16 * i
                             for j in cutlass.range_constexpr(4):
                                 col = (c_in + 8 * (4 * stage + j)) * 8
-                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
+                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, TILE_N),
                                              src[i] + col * 2, nbytes[i], keep)
                             if c_in == 0:
                                 sValid[stage, row] = Uint8(nbytes[i] != 0)
@@ -359,7 +363,7 @@ class SparseMlaFwdSm90:
                             for j in cutlass.range_constexpr(n_chunks - 4):
                                 jj = 4 * (1 - stage) + j if j < 4 else j + 4
                                 col = (c_in + 8 * jj) * 8
-                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, d),
+                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, TILE_N),
                                              src[i] + col * 2, nbytes[i], keep)
                         cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
             cute.arch.cp_async_commit_group()

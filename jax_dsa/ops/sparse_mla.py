@@ -8,10 +8,12 @@ The contract is FlashMLA v2's sparse prefill forward (deepseek-ai/FlashMLA,
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
@@ -82,7 +84,8 @@ def sparse_mla(
         ``"xla"``. :data:`AVAILABLE` lists what this install has built.
       return_max_logits: also return ``max_logits`` (FlashMLA v2's ``max_logits`` output), e.g.
         to monitor the growth of attention logits. Every implementation computes it in the same
-        pass as ``out``; when False it is dropped, which costs nothing measurable.
+        pass as ``out``; when False it is dropped (XLA removes it from the "xla" path; the
+        native handlers still write one ``[S_q, H]`` float32 buffer).
 
     Returns:
       ``(out, lse)``, or ``(out, lse, max_logits)`` when ``return_max_logits``:
@@ -102,14 +105,16 @@ def sparse_mla(
     Raises:
       TypeError: missing ``sm_scale``, non-integer ``indices``/``topk_length``, non-float or
         mismatched ``q``/``kv`` dtypes, ``return_max_logits`` not a bool.
-      ValueError: wrong ranks or shapes (named by argument), ``d_v`` out of range, an unknown
-        implementation, or ``D_qk`` not in (512, 576) for the GPU implementation.
+      ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes (named by
+        argument), ``d_v`` out of range, an unknown implementation, or ``D_qk`` not in
+        (512, 576) for the GPU implementation.
       NotImplementedError: an implementation that this build does not contain.
     """
-    if not isinstance(return_max_logits, bool):
+    if not isinstance(return_max_logits, (bool, np.bool_)):
         raise TypeError(
             f"sparse_mla: return_max_logits must be a Python bool, got {return_max_logits!r}"
         )
+    return_max_logits = bool(return_max_logits)
     impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]
@@ -152,6 +157,8 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
             "sparse_mla: sm_scale must be a Python number (the model's softmax scale, e.g. 1/16 "
             f"for GLM-5); got {sm_scale!r}"
         )
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sparse_mla: sm_scale must be finite and > 0, got {sm_scale!r}")
     if q.ndim < 3:
         raise ValueError(f"sparse_mla: q must be [..., S_q, H, D_qk], got shape {q.shape}")
     batch = q.shape[:-3]
@@ -255,7 +262,7 @@ def _forward(q, kv, indices, sink, lengths, config):
     sm_scale, d_v, impl, block_q = config
     if impl == "cuda":
         return sparse_mla_ffi.cuda_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
-                                           d_v=d_v, with_max_logits=True)
+                                           d_v=d_v)
     if impl == "cpu":
         return sparse_mla_ffi.cpu_forward(q, kv, indices, sink, lengths, sm_scale=sm_scale,
                                           d_v=d_v)

@@ -97,11 +97,11 @@ def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None
 CUDA_FWD_TARGET = "jax_dsa_sparse_mla_fwd_cuda"
 
 
-def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, with_max_logits=False):
+def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     """GPU forward through jax_dsa's own AOT SM90 kernel (FlashMLA v2 contract, ffi/cuda/
-    sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16 and ``lse [B, S_q, H]`` float32
-    (natural log, sink-free, +inf for rows without a valid slot), plus ``max_logits [B, S_q, H]``
-    float32 (-inf for such rows) when ``with_max_logits``.
+    sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16, ``lse [B, S_q, H]`` float32
+    (natural log, sink-free, +inf for rows without a valid slot) and ``max_logits [B, S_q, H]``
+    float32 (-inf for such rows).
 
     Glue: batch folded into tokens (valid slots offset by ``b * S_kv``, invalid ones set to -1 so
     the offset cannot make them valid); heads padded to 64 or 128 (zero q, sink -inf), then
@@ -138,9 +138,7 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, with_
                         sm_scale=np.float32(sm_scale))
     out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
     lse = lse.reshape(nb, s_q, hp)[:, :, :h]
-    if with_max_logits:
-        return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
-    return out, lse
+    return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
 
 
 def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:
