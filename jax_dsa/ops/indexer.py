@@ -236,52 +236,9 @@ def indexer_kl_loss(
     index_q, index_k, index_weights, q, kv = (
         jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv)
     )
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(
-            f"{name}: sm_scale must be a Python number (the main attention's softmax scale), "
-            f"got {sm_scale!r}"
-        )
-    batch, s_q, h_i, s_kv = _check_indexer(
-        name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
-    )
-    nbd = len(batch)
-    if q.ndim != nbd + 3 or q.shape[:-2] != batch + (s_q,):
-        raise ValueError(
-            f"{name}: q must be [..., S_q, H, D_qk] = {batch + (s_q,)} + (H, D_qk) like index_q, "
-            f"got shape {q.shape}"
-        )
-    h, d_qk = q.shape[-2:]
-    if kv.shape != batch + (s_kv, d_qk):
-        raise ValueError(
-            f"{name}: kv must be [..., S_kv, D_qk] = {batch + (s_kv, d_qk)}, got shape {kv.shape}"
-        )
-    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
-        raise TypeError(f"{name}: q and kv must share one float dtype, got {q.dtype}, {kv.dtype}")
-    q_pos, kv_pos, q_seg, kv_seg = _check_positions(
-        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
-        batch + (s_kv,),
-    )
-    if indices is not None:
-        indices = jnp.asarray(indices)
-        if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,):
-            raise ValueError(
-                f"{name}: indices must be [..., S_q, K] = {batch + (s_q,)} + (K,), got shape "
-                f"{indices.shape}"
-            )
-        if indices.shape[-1] < 1:
-            raise ValueError(f"{name}: indices must have at least one slot (K >= 1)")
-        if not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(f"{name}: indices must be an integer array, got {indices.dtype}")
-    if block_q is None:
-        d_i = index_q.shape[-1]
-        if indices is None:
-            per_row = (h_i + h) * s_kv
-        else:
-            per_row = indices.shape[-1] * (h_i + h + d_i + d_qk)
-        block_q = _default_block_q(s_q, per_row)
-    else:
-        block_q = _check_int(name, "block_q", block_q)
-
+    batch, s_q, h_i, s_kv, h, indices, block_q, (q_pos, kv_pos, q_seg, kv_seg) = _check_kl_args(
+        name, index_q, index_k, index_weights, q, kv, sm_scale, indices, block_q, q_positions,
+        kv_positions, q_segment_ids, kv_segment_ids)
     acc = _acc_dtype(index_q, index_k, index_weights, q, kv)
     q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
     scale = float(sm_scale)
@@ -289,8 +246,8 @@ def indexer_kl_loss(
     for n in batch:
         nb *= n
     args = _flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
-    q3 = q.reshape((nb, s_q, h, d_qk))
-    kv3 = kv.reshape((nb, s_kv, d_qk))
+    q3 = q.reshape((nb, s_q, h, q.shape[-1]))
+    kv3 = kv.reshape((nb, s_kv, q.shape[-1]))
     idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
 
     def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, layout=partition.Layout()):
@@ -489,3 +446,56 @@ def _check_positions(name, q_pos, kv_pos, q_seg, kv_seg, q_shape, kv_shape):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
     return q_pos, kv_pos, q_seg, kv_seg
+
+
+def _check_kl_args(name, index_q, index_k, index_weights, q, kv, sm_scale, indices, block_q,
+                   q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Argument checks shared by the indexer KL losses (``indexer_kl_loss`` and the V4 one):
+    returns ``batch, S_q, index H, S_kv, H, indices, block_q`` and the checked positions and
+    segment ids. Raises as the losses document."""
+    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise TypeError(
+            f"{name}: sm_scale must be a Python number (the main attention's softmax scale), "
+            f"got {sm_scale!r}"
+        )
+    batch, s_q, h_i, s_kv = _check_indexer(
+        name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
+    )
+    nbd = len(batch)
+    if q.ndim != nbd + 3 or q.shape[:-2] != batch + (s_q,):
+        raise ValueError(
+            f"{name}: q must be [..., S_q, H, D_qk] = {batch + (s_q,)} + (H, D_qk) like index_q, "
+            f"got shape {q.shape}"
+        )
+    h, d_qk = q.shape[-2:]
+    if kv.shape != batch + (s_kv, d_qk):
+        raise ValueError(
+            f"{name}: kv must be [..., S_kv, D_qk] = {batch + (s_kv, d_qk)}, got shape {kv.shape}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
+        raise TypeError(f"{name}: q and kv must share one float dtype, got {q.dtype}, {kv.dtype}")
+    visibility = _check_positions(
+        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
+        batch + (s_kv,),
+    )
+    if indices is not None:
+        indices = jnp.asarray(indices)
+        if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,):
+            raise ValueError(
+                f"{name}: indices must be [..., S_q, K] = {batch + (s_q,)} + (K,), got shape "
+                f"{indices.shape}"
+            )
+        if indices.shape[-1] < 1:
+            raise ValueError(f"{name}: indices must have at least one slot (K >= 1)")
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"{name}: indices must be an integer array, got {indices.dtype}")
+    if block_q is None:
+        d_i = index_q.shape[-1]
+        if indices is None:
+            per_row = (h_i + h) * s_kv
+        else:
+            per_row = indices.shape[-1] * (h_i + h + d_i + d_qk)
+        block_q = _default_block_q(s_q, per_row)
+    else:
+        block_q = _check_int(name, "block_q", block_q)
+    return batch, s_q, h_i, s_kv, h, indices, block_q, visibility

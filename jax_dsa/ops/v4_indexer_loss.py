@@ -22,18 +22,13 @@ log space, so a compressed mass that underflows float32 does not zero the target
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 
 from jax_dsa.ops.indexer import (
     _acc_dtype,
     _blocks_of,
-    _check_indexer,
-    _check_int,
-    _check_positions,
-    _default_block_q,
+    _check_kl_args,
     _flatten_batch,
     _masked_log_softmax,
     block_support_and_logits,
@@ -102,22 +97,9 @@ def v4_indexer_kl_loss(
     index_q, index_k, index_weights, q, kv, attention_lse = (
         jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv, attention_lse)
     )
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(f"{name}: sm_scale must be a Python number, got {sm_scale!r}")
-    batch, s_q, h_i, s_kv = _check_indexer(
-        name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
-    )
-    nbd = len(batch)
-    if q.ndim != nbd + 3 or q.shape[:-2] != batch + (s_q,):
-        raise ValueError(
-            f"{name}: q must be [..., S_q, H, D] = {batch + (s_q,)} + (H, D) like index_q, got "
-            f"shape {q.shape}"
-        )
-    h, d = q.shape[-2:]
-    if kv.shape != batch + (s_kv, d):
-        raise ValueError(f"{name}: kv must be [..., S_kv, D] = {batch + (s_kv, d)}, got {kv.shape}")
-    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
-        raise TypeError(f"{name}: q and kv must share one float dtype, got {q.dtype}, {kv.dtype}")
+    batch, s_q, h_i, s_kv, h, indices, block_q, (q_pos, kv_pos, q_seg, kv_seg) = _check_kl_args(
+        name, index_q, index_k, index_weights, q, kv, sm_scale, indices, block_q, q_positions,
+        kv_positions, q_segment_ids, kv_segment_ids)
     if attention_lse.shape != batch + (s_q, h):
         raise ValueError(
             f"{name}: attention_lse must be [..., S_q, H] = {batch + (s_q, h)}, got "
@@ -125,25 +107,6 @@ def v4_indexer_kl_loss(
         )
     if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
         raise TypeError(f"{name}: attention_lse must be a float array, got {attention_lse.dtype}")
-    q_pos, kv_pos, q_seg, kv_seg = _check_positions(
-        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
-        batch + (s_kv,),
-    )
-    if indices is not None:
-        indices = jnp.asarray(indices)
-        if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,) or indices.shape[-1] < 1:
-            raise ValueError(
-                f"{name}: indices must be [..., S_q, K >= 1] = {batch + (s_q,)} + (K,), got shape "
-                f"{indices.shape}"
-            )
-        if not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(f"{name}: indices must be an integer array, got {indices.dtype}")
-    if block_q is None:
-        d_i = index_q.shape[-1]
-        per_row = (h_i + h) * s_kv if indices is None else indices.shape[-1] * (h_i + h + d_i + d)
-        block_q = _default_block_q(s_q, per_row)
-    else:
-        block_q = _check_int(name, "block_q", block_q)
 
     acc = _acc_dtype(index_q, index_k, index_weights, q, kv)
     q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
@@ -153,8 +116,8 @@ def v4_indexer_kl_loss(
     for n in batch:
         nb *= n
     args = _flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
-    q3 = q.reshape((nb, s_q, h, d))
-    kv3 = kv.reshape((nb, s_kv, d))
+    q3 = q.reshape((nb, s_q, h, q.shape[-1]))
+    kv3 = kv.reshape((nb, s_kv, q.shape[-1]))
     lse3 = lse.reshape((nb, s_q, h))
     idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
 
