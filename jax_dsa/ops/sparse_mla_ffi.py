@@ -97,6 +97,18 @@ def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None
 CUDA_FWD_TARGET = "jax_dsa_sparse_mla_fwd_cuda"
 
 
+def _cuda_dims(q, kv, indices, d_v):
+    """``(B, S_q, H, D_qk, S_kv, K, padded H)`` of a call the CUDA kernels support (else
+    ValueError naming the rule); H is padded to 64 or 128."""
+    nb, s_q, h, d_qk = q.shape
+    k = indices.shape[-1]
+    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
+    if why:
+        raise ValueError("sparse_mla: " + why)
+    hp = KERNEL_HEADS[0] if h <= KERNEL_HEADS[0] else KERNEL_HEADS[1]
+    return nb, s_q, h, d_qk, kv.shape[1], k, hp
+
+
 def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     """GPU forward through jax_dsa's own AOT SM90 kernel (FlashMLA v2 contract, ffi/cuda/
     sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16, ``lse [B, S_q, H]`` float32
@@ -107,13 +119,7 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     the offset cannot make them valid); heads padded to 64 or 128 (zero q, sink -inf), then
     sliced. Slots past ``topk_length`` are skipped by the kernel itself.
     """
-    nb, s_q, h, d_qk = q.shape
-    s_kv = kv.shape[1]
-    k = indices.shape[-1]
-    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
-    if why:
-        raise ValueError("sparse_mla: " + why)
-    hp = KERNEL_HEADS[0] if h <= KERNEL_HEADS[0] else KERNEL_HEADS[1]
+    nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
     bf = jnp.bfloat16
     valid = (indices >= 0) & (indices < s_kv)
     offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
@@ -175,14 +181,8 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     get one slot (row 0 of their batch element) with dout 0 and lse +inf, because the kernel needs
     at least one (Megatron-LM's fix, shared/research/models.md §1.3); then everything un-padded.
     """
-    nb, s_q, h, d_qk = q.shape
-    s_kv = kv.shape[1]
-    k = indices.shape[-1]
-    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
-    if why:
-        raise ValueError("sparse_mla: " + why)
+    nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
     kb = slot_bucket(k)
-    hp = KERNEL_HEADS[0] if h <= KERNEL_HEADS[0] else KERNEL_HEADS[1]
 
     idx, length, empty = cuda_index_glue(indices, topk_length, s_kv)
     if kb > k:
