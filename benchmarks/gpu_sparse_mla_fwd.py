@@ -5,6 +5,7 @@ and times here; the kernel is launched from raw pointers through the module's ct
 ``jax_dsa_sparse_mla_fwd_raw_bench``, and once through XLA FFI via ``jax.ffi.ffi_call``).
 
     python benchmarks/gpu_sparse_mla_fwd.py --out results.json [--skip-accuracy] [--skip-speed]
+                                            [--k-sweep]
     python benchmarks/gpu_sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
 
 Accuracy: outputs poisoned with NaN before each launch; fresh random inputs; out relative L2 vs
@@ -273,6 +274,46 @@ def accuracy(kern, results):
     return ok
 
 
+def time_case(kern, gen, iters, *, s_q, s_kv, h, d, k, sink, window=False):
+    """Median CUDA-event time of one shape, all slots valid (random rows, or with ``window`` a
+    run of consecutive rows per query), after 5 warm-up launches."""
+    q, kv, idx, length, att = make_case(gen, s_q=s_q, s_kv=s_kv, h=h, d=d, k=k, all_valid=True,
+                                        sink=sink)
+    if window:
+        start = torch.randint(0, s_kv - k + 1, (s_q, 1), generator=gen, dtype=torch.int32)
+        idx = (start + torch.arange(k, dtype=torch.int32)[None]).cuda()
+    out = torch.empty((s_q, h, D_V), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((s_q, h), device="cuda")
+    mx = torch.empty((s_q, h), device="cuda")
+    kern.run(q, kv, idx, length, att, out, lse, mx, 0.1, iters=5)
+    ms = kern.run(q, kv, idx, length, att, out, lse, mx, 0.1, iters=iters)
+    med = float(np.median(ms))
+    del q, kv, idx, out
+    torch.cuda.empty_cache()
+    return dict(s_q=s_q, s_kv=s_kv, h=h, d_qk=d, k=k, sink=sink != "-inf",
+                indices="window" if window else "random", median_ms=med,
+                min_ms=float(ms.min()), runs=iters,
+                tflops=2 * h * (d + D_V) * s_q * k / (med * 1e-3) / 1e12)
+
+
+def k_sweep(kern, iters):
+    """Time against K at S_q = S_kv = 16384, H 64: the slope is the cost of a 64-slot block, the
+    intercept the fixed cost of a (token, 64-head) tile (time x SMs / tiles)."""
+    gen = torch.Generator().manual_seed(2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    cases = [(d, k, False) for d in (576, 512) for k in (256, 640, 2048)]
+    cases += [(576, 2048, True), (512, 640, True)]
+    for d, k, window in cases:
+        r = time_case(kern, gen, iters, s_q=16384, s_kv=16384, h=64, d=d, k=k, sink="-inf",
+                      window=window)
+        r["us_per_tile_slot"] = r["median_ms"] * 1e3 * sms / (r["s_q"] * r["h"] // 64)
+        rows.append(r)
+        print(f"D_qk {d} K {k} {r['indices']}: {r['median_ms']:.3f} ms, {r['tflops']:.0f} "
+              f"TFLOP/s, {r['us_per_tile_slot']:.2f} us per tile", flush=True)
+    return rows
+
+
 def speed(kern, iters):
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -299,21 +340,7 @@ def speed(kern, iters):
 
     mm_before = mm_tflops()
     for name, kw in shapes:
-        q, kv, idx, length, sink = make_case(gen, all_valid=True, **{k: v for k, v in kw.items()})
-        s_q, h, d, k = kw["s_q"], kw["h"], kw["d"], kw["k"]
-        out = torch.empty((s_q, h, D_V), dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty((s_q, h), device="cuda")
-        mx = torch.empty((s_q, h), device="cuda")
-        kern.run(q, kv, idx, length, sink, out, lse, mx, 0.1, iters=5)
-        ms = kern.run(q, kv, idx, length, sink, out, lse, mx, 0.1, iters=iters)
-        med = float(np.median(ms))
-        flops = 2 * h * (d + D_V) * s_q * k
-        tf = flops / (med * 1e-3) / 1e12
-        rows.append(dict(shape=name, s_q=s_q, s_kv=kw["s_kv"], h=h, d_qk=d, k=k,
-                         sink=kw["sink"] != "-inf", median_ms=med, min_ms=float(ms.min()),
-                         runs=iters, tflops=tf))
-        del q, kv, idx, out
-        torch.cuda.empty_cache()
+        rows.append(dict(shape=name, **time_case(kern, gen, iters, **kw)))
     mm_after = mm_tflops()
     mm = max(mm_before, mm_after)
     for r in rows:
@@ -335,6 +362,7 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--k-sweep", action="store_true", help="also time against K (k_sweep)")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -373,6 +401,8 @@ def main():
         rows, mb, ma = speed(kern, args.iters)
         res["speed"] = rows
         res["matmul_tflops_before_after"] = [mb, ma]
+    if args.k_sweep:
+        res["k_sweep"] = k_sweep(kern, args.iters)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
