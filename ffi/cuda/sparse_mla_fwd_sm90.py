@@ -16,21 +16,25 @@ Contract (one launch, flat tokens):
 Schedule (the FlashMLA SM90 idea, our own code): one CTA per (query token, 64-head tile),
 three warpgroups. The producer WG gathers kv rows by index into shared memory with 16-byte
 cp.async (zero-fill for invalid slots, never read) into two 64-row stages, each filled in two
-parts guarded by their own mbarriers, and writes each slot's validity next to them. The two
-consumer WGs ping-pong over blocks: WG w computes S = Q K^T (wgmma m64n64, M = 64 heads) and
-the softmax of the blocks n = w, w + 2, ..., and each WG owns the output columns
-[256 w, 256 w + 256) of every block (a 64 x 256 fp32 accumulator). The running row max is a
-chain through shared memory: block n's owner takes M_n from the other WG's block n - 1 and
-publishes M_{n+1}; it keeps P in registers for its own P V (register-A wgmma) and leaves a bf16
-copy in shared memory (D_qk 576: in the stage's rope columns, which no one reads after S; 512:
-a room of its own) for the other WG's P V, then signals it on an mbarrier (release / acquire).
-So one WG's softmax runs while the other's matrix products keep the tensor cores busy. Stage
-parts are released as soon as their readers are done: the owner's V half after its own P V,
-the other half (and P) after the other WG's. The output leaves through shared memory (the Q
-room, sized for it) as one 512-byte bulk copy per row half. L2 eviction policies keep the kv
-rows (reused by many queries) and let q and out stream through.
+parts guarded by their own mbarriers, and writes each slot's validity (and per warp whether all
+its rows are valid) next to them. The two consumer WGs ping-pong over blocks: WG w computes
+S = Q K^T (wgmma m64n64, M = 64 heads) and the softmax of the blocks n = w, w + 2, ..., and
+each WG owns the output columns [256 w, 256 w + 256) of every block (a 64 x 256 fp32
+accumulator). The running row max is a chain through shared memory: block n's owner takes M_n
+from the other WG's block n - 1 and publishes M_{n+1}; it keeps P in registers for its own P V
+and leaves a copy as plain words (D_qk 576: in the stage's rope columns, which no one reads
+after S; 512: a room of its own) that the other WG loads into the same registers for its P V
+(both register-A wgmma), then signals it on an mbarrier (release / acquire). The other WG's
+P V of block n - 1 is issued between the two halves of S_n, so the stage part it reads goes
+back to the producer as soon as it is done. The max moves only when a block's exceeds it by
+more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as their readers
+are done: the owner's V half after its own P V, the other half (and P) after the other WG's.
+The output leaves through shared memory (the Q room, sized for it) as one 512-byte bulk copy
+per row half. L2 eviction policies keep the kv rows (reused by many queries) and let q and out
+stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
-FlashAttention-2, Dao 2023).
+FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
+(Dao-AILab/flash-attention, flash_attn/cute).
 """
 
 from __future__ import annotations
@@ -192,13 +196,9 @@ class SparseMlaFwdSm90:
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, HALF),
             a_source=warpgroup.OperandSource.RMEM)
-        mma_ss = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, HALF))
         sQ_layout = _smem_layout((TILE_M, d))
         sK_layout = _smem_layout((TILE_N, d))
         sV_layout = _smem_layout((TILE_N, D_V))
-        sP_layout = _smem_layout((TILE_M, TILE_N))
         # D_qk 576: P lives in the stage's rope columns; 512 has no rope, so P gets its own room.
         p_elems = STAGES * TILE_M * TILE_N if d == 512 else 64
         # the Q room also stages the output at the end (both WGs' halves, padded rows)
@@ -215,6 +215,9 @@ class SparseMlaFwdSm90:
             row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             valid: cute.struct.Align[cute.struct.MemRange[Uint8, STAGES * TILE_N], 16]
+            # per stage and producer warp: 1 if all 16 of the warp's rows are valid
+            all_valid: cute.struct.Align[cute.struct.MemRange[Int32, STAGES * 4], 16]
+            true_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, q_elems], 1024]
             sKV0: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sKV1: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
@@ -222,8 +225,8 @@ class SparseMlaFwdSm90:
 
         self.storage_cls = Storage
         grid = (mQ.shape[0] * (self.h // TILE_M), 1, 1)
-        self.kernel(mQ, mKV, mIdx, mLen, mSink, mOut, mLse, mMax, sm_scale, mma_s, mma_rs, mma_ss,
-                    sQ_layout, sK_layout, sV_layout, sP_layout).launch(
+        self.kernel(mQ, mKV, mIdx, mLen, mSink, mOut, mLse, mMax, sm_scale, mma_s, mma_rs,
+                    sQ_layout, sK_layout, sV_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -241,9 +244,8 @@ class SparseMlaFwdSm90:
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
                sm_scale: Float32, mma_s: cute.TiledMma, mma_rs: cute.TiledMma,
-               mma_ss: cute.TiledMma, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sP_layout: cute.ComposedLayout):
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout):
         d = self.d
         h = self.h
         n_chunks = d // 64  # 64-column chunks of a row: 4 per V half, then the rope chunk
@@ -289,12 +291,10 @@ class SparseMlaFwdSm90:
             p_base = [st.sKV0.data_ptr() + D_V * TILE_N, st.sKV1.data_ptr() + D_V * TILE_N]
         else:
             p_base = [st.sP.data_ptr(), st.sP.data_ptr() + TILE_M * TILE_N]
-        sP = [cute.make_tensor(cute.recast_ptr(p_base[0], sP_layout.inner, dtype=BFloat16),
-                               sP_layout.outer),
-              cute.make_tensor(cute.recast_ptr(p_base[1], sP_layout.inner, dtype=BFloat16),
-                               sP_layout.outer)]
         sValid = cute.make_tensor(st.valid.data_ptr(), cute.make_layout((STAGES, TILE_N),
                                                                         stride=(TILE_N, 1)))
+        sAllValid = cute.make_tensor(st.all_valid.data_ptr(), cute.make_layout((STAGES, 4),
+                                                                               stride=(4, 1)))
 
         if warp < 4:
             # ---------------- producer: gather kv rows by index ----------------
@@ -353,6 +353,11 @@ class SparseMlaFwdSm90:
                                              src[i] + col * 2, nbytes[i], keep)
                             if c_in == 0:
                                 sValid[stage, row] = Uint8(nbytes[i] != 0)
+                        mine = ((nbytes[0] != 0) and (nbytes[1] != 0) and (nbytes[2] != 0)
+                                and (nbytes[3] != 0))
+                        all_ok = cute.arch.vote_all_sync(mine)
+                        if tidx % 32 == 0:
+                            sAllValid[stage, warp] = Int32(all_ok)
                         cute.arch.cp_async_mbarrier_arrive_noinc(full_own + stage)
                         cute.arch.mbarrier_arrive(full_own + stage)
                         # part 2: the other V half and the rope columns
@@ -376,8 +381,9 @@ class SparseMlaFwdSm90:
                 if wg == w:
                     self._consumer(w, tidx % 128, tidx % 32, s, h0, n_blk, sm_scale, mSink, mOut,
                                    st.sQ.data_ptr(),
-                                   mLse, mMax, mma_s, mma_rs, mma_ss, sQ, sK, sV, sP, sValid,
-                                   st.row_max.data_ptr(), st.row_sum.data_ptr(), full_own,
+                                   mLse, mMax, mma_s, mma_rs, sQ, sK, sV, p_base, sValid,
+                                   sAllValid, st.row_max.data_ptr(), st.row_sum.data_ptr(),
+                                   st.true_max.data_ptr(), full_own,
                                    full_rest, empty_own, empty_rest, q_full, ready)
 
     @cute.jit
@@ -395,24 +401,27 @@ class SparseMlaFwdSm90:
     def _consumer(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, s: Int32, h0: Int32,
                   n_blk: Int32, sm_scale: Float32, mSink: cute.Tensor, mOut: cute.Tensor, o_smem,
                   mLse: cute.Tensor, mMax: cute.Tensor, mma_s: cute.TiledMma,
-                  mma_rs: cute.TiledMma, mma_ss: cute.TiledMma, sQ, sK, sV, sP,
-                  sValid: cute.Tensor, row_max_ptr, row_sum_ptr, full_own, full_rest, empty_own,
-                  empty_rest, q_full, ready):
+                  mma_rs: cute.TiledMma, sQ, sK, sV, p_base, sValid: cute.Tensor,
+                  sAllValid: cute.Tensor, row_max_ptr, row_sum_ptr, true_max_ptr, full_own,
+                  full_rest, empty_own, empty_rest, q_full, ready):
         d = self.d
         h = self.h
         o = 1 - w  # the other consumer warpgroup (and the stage of its blocks)
         scale_log2 = sm_scale * LOG2E
         thr_s = mma_s.get_slice(wtid)
         thr_rs = mma_rs.get_slice(wtid)
-        thr_ss = mma_ss.get_slice(wtid)
         tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
         tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[w]))
         tOrV_own = thr_rs.make_fragment_B(thr_rs.partition_B(
             cute.local_tile(_transpose(sV[w]), (HALF, TILE_N), (w, 0))))
-        tOrV_oth = thr_ss.make_fragment_B(thr_ss.partition_B(
+        tOrV_oth = thr_rs.make_fragment_B(thr_rs.partition_B(
             cute.local_tile(_transpose(sV[o]), (HALF, TILE_N), (w, 0))))
-        tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP[o]))
-        tPsP = thr_s.partition_C(sP[w])
+        # P crosses between the WGs as plain 32-bit words, thread t of one WG to thread t of the
+        # other (the same fragment position), 16 bytes per access and conflict-free; the reader
+        # loads them into registers for a register-A wgmma, so no proxy fence is needed.
+        p_words = cute.make_layout((4, 4), stride=(1, 512))
+        sP_own = cute.make_tensor(cute.recast_ptr(p_base[w], dtype=Int32) + wtid * 4, p_words)
+        sP_oth = cute.make_tensor(cute.recast_ptr(p_base[o], dtype=Int32) + wtid * 4, p_words)
         cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
 
         acc_o = cute.make_rmem_tensor(thr_rs.partition_shape_C((TILE_M, HALF)), Float32)
@@ -420,10 +429,12 @@ class SparseMlaFwdSm90:
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
         # P as the register A operand of the P V wgmma: the m64n64 accumulator fragment read as
         # four k16 slices (elements 8k..8k+7 are k slice k), i.e. the same registers in order.
+        # It holds this WG's P, or the other WG's P while that block's P V runs.
         rP = cute.make_rmem_tensor(
             cute.make_layout(((2, 2, 2), 1, TILE_N // 16), stride=((1, 2, 4), 0, 8)), BFloat16)
         rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
-        n_o = cute.size(acc_o)
+        rP_words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32),
+                                    cute.make_layout((4, 4), stride=(1, 4)))
         # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
         rows = cute.make_rmem_tensor((2,), Int32)
         rows[0] = cS[0][0]
@@ -434,12 +445,16 @@ class SparseMlaFwdSm90:
         l_sum.fill(0.0)
         sMax = cute.make_tensor(row_max_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
         sSum = cute.make_tensor(row_sum_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
+        # the true row max of each WG's blocks (m_cur may lag it, see _own_block)
+        sTrue = cute.make_tensor(true_max_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
+        m_true = cute.make_rmem_tensor((2,), Float32)
+        m_true.fill(-math.inf)
 
         cute.arch.mbarrier_wait(q_full, 0)
         n_own = cutlass.max((n_blk - w + 1) // 2, 0)
-        st = (w, o, d, acc_s, acc_o, rP, rP_as_s, tSrQ, tSrK, tOrV_own, tOrP_oth, tOrV_oth, tPsP,
-              cS, rows, m_cur, l_sum, sMax, sValid, mma_s, mma_rs, mma_ss, lane, scale_log2,
-              full_own, full_rest, empty_own, empty_rest, ready)
+        st = (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+              sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
+              mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready)
         # Block 0 has no predecessor: WG0's first block is peeled so that no wgmma sits in a
         # data-dependent branch (ptxas would serialize them).
         if const_expr(w == 0):
@@ -454,8 +469,7 @@ class SparseMlaFwdSm90:
         warpgroup.wait_group(0)
         if n_blk > 0 and (n_blk - 1) % 2 == o:
             # the last block is the other WG's
-            self._other_block(o, acc_o, tOrP_oth, tOrV_oth, mma_ss, sMax, rows, m_cur, l_sum,
-                              scale_log2, ready, ((n_blk - 1) // 2) % 2)
+            self._other_block(st, ((n_blk - 1) // 2) % 2)
             warpgroup.wait_group(0)
 
         # ---------------- epilogue ----------------
@@ -465,6 +479,7 @@ class SparseMlaFwdSm90:
             l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
             if lane % 4 == 0:
                 sSum[w, rows[r]] = l
+                sTrue[w, rows[r]] = m_true[r]
         _barrier_sync(3, 256)
         factor = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
@@ -476,7 +491,7 @@ class SparseMlaFwdSm90:
             if l > 0.0:
                 m_scaled = m * sm_scale
                 lse = m_scaled + _lg2(l) * LN2
-                mx = m_scaled
+                mx = cute.arch.fmax(sTrue[0, rows[r]], sTrue[1, rows[r]]) * sm_scale
                 sink = mSink[h0 + rows[r]]
                 f = 1.0 / (l + _ex2((sink - m_scaled) * LOG2E))
             factor[r] = f
@@ -487,7 +502,7 @@ class SparseMlaFwdSm90:
         # O goes through shared memory (the Q room: every S is done) and leaves as one 512-byte
         # bulk copy per row, instead of scattered 2-byte stores from the fragment.
         rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
-        for i in cutlass.range_constexpr(n_o):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
             rO[i] = (acc_o[i] * factor[(i // 2) % 2]).to(BFloat16)
         sO = cute.make_tensor(o_smem + w * TILE_M * O_ROW,
                               cute.make_layout((TILE_M, HALF), stride=(O_ROW, 1)))
@@ -504,16 +519,20 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def _own_block(self, st, it: Int32, has_other: cutlass.Constexpr[bool]):
-        """WG w's block n = w + 2 it: S, softmax (publishing M_{n+1} and P_n), and its P V; with
-        the other WG's block n - 1 (P V from shared memory) slotted in while S_n runs."""
-        (w, o, d, acc_s, acc_o, rP, rP_as_s, tSrQ, tSrK, tOrV_own, tOrP_oth, tOrV_oth, tPsP,
-         cS, rows, m_cur, l_sum, sMax, sValid, mma_s, mma_rs, mma_ss, lane, scale_log2,
-         full_own, full_rest, empty_own, empty_rest, ready) = st
+        """WG w's block n = w + 2 it: S (its own V half first, then the rest) with the other
+        WG's block n - 1 slotted in between, then the softmax (publishing M and P of block n),
+        then its own P V.
+
+        The other WG's P V of block n - 1 is issued before the rest of S_n so that its wgmma
+        group can be waited for first: the part of that block's stage it reads is released to
+        the producer as soon as it is done, not after this block's softmax."""
+        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+         sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
+         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready) = st
         n_s = cute.size(acc_s)
-        n_o = cute.size(acc_o)
         steps_own, steps_rest = _s_k_steps(w, d)
         ph = it % 2
-        warpgroup.wait_group(0)  # own P V of block n - 2 done: its V half is free
+        warpgroup.wait_group(0)  # own P V of block n - 2 done: its V half (and rP) are free
         if it > 0:
             cute.arch.mbarrier_arrive(empty_own + w)
         # S_n = Q K_n^T
@@ -521,33 +540,40 @@ class SparseMlaFwdSm90:
         cute.arch.fence_view_async_shared()
         warpgroup.fence()
         self._mma(mma_s, acc_s, tSrQ, tSrK, steps_own, True)
+        if const_expr(has_other):
+            self._other_block(st, (it - 1 + w) % 2)
         cute.arch.mbarrier_wait(full_rest + w, ph)
         cute.arch.fence_view_async_shared()
+        warpgroup.fence()
         self._mma(mma_s, acc_s, tSrQ, tSrK, steps_rest, False)
         warpgroup.commit_group()
         if const_expr(has_other):
-            # the other WG's block n - 1: M_n and P_{n-1} are published
-            self._other_block(o, acc_o, tOrP_oth, tOrV_oth, mma_ss, sMax, rows, m_cur, l_sum,
-                              scale_log2, ready, (it - 1 + w) % 2)
-            warpgroup.wait_group(1)  # S_n done; P V of block n - 1 may still run
-        else:
-            warpgroup.wait_group(0)
-        # mask invalid slots, row max over this block and the chain
+            warpgroup.wait_group(1)  # P V of block n - 1 done: release its part of the stage
+            cute.arch.mbarrier_arrive(empty_rest + o)
+        warpgroup.wait_group(0)
+        # mask invalid slots (skipped when the producer saw every slot valid), row max
+        all_valid = (sAllValid[w, 0] & sAllValid[w, 1] & sAllValid[w, 2] & sAllValid[w, 3])
+        if all_valid == 0:
+            for i in cutlass.range_constexpr(n_s):
+                if sValid[w, cS[i][1]] == 0:
+                    acc_s[i] = Float32(-math.inf)
         m_loc = cute.make_rmem_tensor((2,), Float32)
         m_loc.fill(-math.inf)
         for i in cutlass.range_constexpr(n_s):
-            v = acc_s[i]
-            if sValid[w, cS[i][1]] == 0:
-                v = Float32(-math.inf)
-            acc_s[i] = v
-            m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], v)
+            m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], acc_s[i])
         m_use = cute.make_rmem_tensor((2,), Float32)
         scale_row = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             m = m_loc[r]
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-            m_new = cute.arch.fmax(m_cur[r], m)
+            m_true[r] = cute.arch.fmax(m_true[r], m)
+            # Conditional rescaling (FlashAttention-4): keep the chain's reference max unless
+            # this block's exceeds it by more than 2^8 in P, so O and l are rarely rescaled;
+            # P up to 2^8 is safe in fp32 and bf16.
+            m_new = m_cur[r]
+            if (m - m_cur[r]) * scale_log2 > 8.0:
+                m_new = m
             if lane % 4 == 0:
                 sMax[w, rows[r]] = m_new
             mu = m_new
@@ -563,27 +589,33 @@ class SparseMlaFwdSm90:
             acc_s[i] = p
             psum[(i // 2) % 2] = psum[(i // 2) % 2] + p
         rP_as_s.store(acc_s.load().to(BFloat16))
-        cute.autovec_copy(rP_as_s, tPsP)
-        cute.arch.fence_view_async_shared()
+        cute.autovec_copy(rP_words, sP_own)
         cute.arch.mbarrier_arrive(ready + w)  # block n published (release)
-        if const_expr(has_other):
-            warpgroup.wait_group(0)  # P V of block n - 1 done: release its part
-            cute.arch.mbarrier_arrive(empty_rest + o)
         for r in cutlass.range_constexpr(2):
             l_sum[r] = l_sum[r] * scale_row[r] + psum[r]
-        for i in cutlass.range_constexpr(n_o):
-            acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+        self._rescale(acc_o, scale_row)
         warpgroup.fence()
         self._mma(mma_rs, acc_o, rP, tOrV_own, _PV_K_STEPS, False)
         warpgroup.commit_group()
 
     @cute.jit
-    def _other_block(self, o: cutlass.Constexpr[int], acc_o: cute.Tensor, tOrP: cute.Tensor,
-                     tOrV: cute.Tensor, mma_ss: cute.TiledMma, sMax: cute.Tensor,
-                     rows: cute.Tensor, m_cur: cute.Tensor, l_sum: cute.Tensor,
-                     scale_log2: Float32, ready, phase: Int32):
-        """Wait for the other WG's next block, rebase O to its published max, issue its P V."""
+    def _rescale(self, acc_o: cute.Tensor, scale_row: cute.Tensor):
+        """O rows *= their factor, skipped for the (usual) factor 1."""
+        for r in cutlass.range_constexpr(2):
+            if scale_row[r] != 1.0:
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    if const_expr((i // 2) % 2 == r):
+                        acc_o[i] = acc_o[i] * scale_row[r]
+
+    @cute.jit
+    def _other_block(self, st, phase: Int32):
+        """Wait for the other WG's next block, load its P, rebase O to its published max and
+        issue its P V on this WG's output columns."""
+        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+         sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
+         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready) = st
         cute.arch.mbarrier_wait(ready + o, phase)  # acquire: its M and P are visible
+        cute.autovec_copy(sP_oth, rP_words)
         scale_row = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             m_new = sMax[o, rows[r]]
@@ -593,8 +625,7 @@ class SparseMlaFwdSm90:
             scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
             m_cur[r] = m_new
             l_sum[r] = l_sum[r] * scale_row[r]
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * scale_row[(i // 2) % 2]
+        self._rescale(acc_o, scale_row)
         warpgroup.fence()
-        self._mma(mma_ss, acc_o, tOrP, tOrV, _PV_K_STEPS, False)
+        self._mma(mma_rs, acc_o, rP, tOrV_oth, _PV_K_STEPS, False)
         warpgroup.commit_group()
