@@ -379,7 +379,8 @@ def main():
     if args.sanitize:
         gen = torch.Generator().manual_seed(3)
         for kw in (dict(s_q=3, s_kv=100, h=64, d=576, k=128, lengths=True, empty_rows=(1,)),
-                   dict(s_q=2, s_kv=50, h=128, d=512, k=192, sink="mixed")):
+                   dict(s_q=2, s_kv=50, h=128, d=512, k=192, sink="mixed"),
+                   dict(s_q=2, s_kv=300, h=64, d=576, k=256, all_valid=True, sink="-inf")):
             q, kv, idx, length, sink = make_case(gen, **kw)
             out = torch.empty((kw["s_q"], kw["h"], D_V), dtype=torch.bfloat16, device="cuda")
             lse = torch.empty((kw["s_q"], kw["h"]), device="cuda")
