@@ -8,7 +8,8 @@ and times here; the kernel is launched from raw pointers through the module's ct
                                             [--k-sweep]
     python benchmarks/gpu_sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
 
-Accuracy: outputs poisoned with NaN before each launch; fresh random inputs; out relative L2 vs
+Accuracy: outputs poisoned with NaN before each launch; fresh random inputs (some cases cap the
+persistent grid with JAX_DSA_FWD_MAX_CTAS so that each CTA walks many tiles); out relative L2 vs
 a float64 NumPy reference <= 3e-3, lse max abs error <= 1e-4 (and max_logits), empty rows out 0 /
 lse +inf / max_logits -inf, every element written; determinism (two launches bit-identical).
 Speed: CUDA-event median over >= 50 launches at the issue's three shapes, all slots valid, and a
@@ -258,13 +259,20 @@ def accuracy(kern, results):
         ("H128 D512 K256 mixed sinks", dict(s_q=65, s_kv=200, h=128, d=512, k=256, empty_rows=(7,), sink="mixed")),
         ("H64 D576 K2048 all valid", dict(s_q=20, s_kv=70000, h=64, d=576, k=2048, all_valid=True, sink="-inf")),
         ("H128 D576 K192 S_kv 32 lengths", dict(s_q=129, s_kv=32, h=128, d=576, k=192, lengths=True)),
+        # the kernel is persistent: few CTAs make each walk many tiles of varied lengths
+        ("H64 D576 K640 lengths, 5 CTAs", dict(s_q=150, s_kv=3000, h=64, d=576, k=640, empty_rows=(5, 17, 18), lengths=True, ctas=5)),
+        ("H128 D512 K256 mixed sinks lengths, 7 CTAs", dict(s_q=65, s_kv=900, h=128, d=512, k=256, empty_rows=(7, 8), sink="mixed", lengths=True, ctas=7)),
+        ("H64 D512 K128 lengths, 3 CTAs", dict(s_q=97, s_kv=300, h=64, d=512, k=128, empty_rows=(3,), lengths=True, ctas=3)),
+        ("H64 D576 K1024 lengths, 600 rows", dict(s_q=600, s_kv=5000, h=64, d=576, k=1024, empty_rows=(9,), lengths=True)),
     ]
     ok = True
     first = None
     for name, kw in cases:
+        os.environ["JAX_DSA_FWD_MAX_CTAS"] = str(kw.pop("ctas", 0))
         case = make_case(gen, **kw)
         first = first or case
         ok &= check_case(kern, name, case, 1.0 / math.sqrt(kw["d"]) * 1.3, results)
+    os.environ["JAX_DSA_FWD_MAX_CTAS"] = "0"
     ok &= jax_path_check(first, 0.07, kern)
     try:
         ok &= end_to_end(results)
@@ -380,7 +388,11 @@ def main():
         gen = torch.Generator().manual_seed(3)
         for kw in (dict(s_q=3, s_kv=100, h=64, d=576, k=128, lengths=True, empty_rows=(1,)),
                    dict(s_q=2, s_kv=50, h=128, d=512, k=192, sink="mixed"),
-                   dict(s_q=2, s_kv=300, h=64, d=576, k=256, all_valid=True, sink="-inf")):
+                   dict(s_q=2, s_kv=300, h=64, d=576, k=256, all_valid=True, sink="-inf"),
+                   # two CTAs walking 5 and 4 tiles: the hand-over between tiles
+                   dict(s_q=9, s_kv=200, h=64, d=512, k=256, lengths=True, empty_rows=(2,),
+                        ctas=2)):
+            os.environ["JAX_DSA_FWD_MAX_CTAS"] = str(kw.pop("ctas", 0))
             q, kv, idx, length, sink = make_case(gen, **kw)
             out = torch.empty((kw["s_q"], kw["h"], D_V), dtype=torch.bfloat16, device="cuda")
             lse = torch.empty((kw["s_q"], kw["h"]), device="cuda")

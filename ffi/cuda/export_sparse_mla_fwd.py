@@ -63,7 +63,7 @@ def compile_one(h: int, d: int, out_dir: str, arch: str) -> str:
     lse = fake(f32, (s_q, h), (h, 1), assumed_align=4)
     mx = fake(f32, (s_q, h), (h, 1), assumed_align=4)
     compiled = cute.compile(SparseMlaFwdSm90(h, d), q, kv, idx, length, sink, out, lse, mx,
-                            cutlass.Float32(1.0), make_fake_stream(), options=f"--gpu-arch {arch}")
+                            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(), options=f"--gpu-arch {arch}")
     p = prefix(h, d)
     compiled.export_to_c(out_dir, p, p)
     return p
@@ -101,7 +101,7 @@ def write_table(out_dir: str) -> None:
   {p}_Tensor_mLse_t lse{{JAX_DSA_PTR(a.lse), {{a.s_q}}}};
   {p}_Tensor_mMax_t mx{{JAX_DSA_PTR(a.max_logits), {{a.s_q}}}};
   return cute_dsl_{p}_wrapper(&g_{p}, &q, &kv, &idx, &len, &sink, &out, &lse, &mx, a.sm_scale,
-                              a.stream);
+                              a.num_ctas, a.stream);
 }}""")
     lines += ["}  // namespace", "", "const SparseMlaFwdKernel kSparseMlaFwdKernels[] = {"]
     for h, d in variants():

@@ -10,7 +10,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -67,7 +69,20 @@ bool Shaped(const B& b, std::initializer_list<int64_t> want) {
   return true;
 }
 
-ffi::Error Launch(const SparseMlaFwdKernel* kern, const SparseMlaFwdLaunch& a) {
+// The persistent kernel's grid: the current device's SM count, or fewer if
+// JAX_DSA_FWD_MAX_CTAS says so (tests use it to make each CTA walk many tiles).
+int32_t NumCtas() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
+    n = 132;
+  if (const char* cap = std::getenv("JAX_DSA_FWD_MAX_CTAS"); cap && std::atoi(cap) > 0)
+    n = std::min(n, std::atoi(cap));
+  return n;
+}
+
+ffi::Error Launch(const SparseMlaFwdKernel* kern, SparseMlaFwdLaunch a) {
+  a.num_ctas = NumCtas();
   int32_t rc = kern->run(a);
   cudaError_t e = cudaGetLastError();
   if (rc != 0 || e != cudaSuccess)
@@ -105,7 +120,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
   if (cudaError_t e = LoadFwd(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
   SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
                        attn_sink.typed_data(), out->untyped_data(), lse->typed_data(),
-                       max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream};
+                       max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream, 0};
   return Launch(kern, a);
 }
 
@@ -129,7 +144,7 @@ extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   SparseMlaFwdLaunch a{q, kv, indices, topk_length, attn_sink, out, lse, max_logits, s_q, s_kv, k,
-                       sm_scale, stream};
+                       sm_scale, stream, 0};
   int rc = 0;
   for (int i = 0; i < iters && rc == 0; ++i) {
     cudaEventRecord(e0, stream);

@@ -12,10 +12,12 @@ Contract (one launch, flat tokens):
   max_logits ``[S_q, H]`` float32 = sm_scale * max q.k. A slot is valid iff its position is below
   topk_length and 0 <= index < S_kv; invalid slots are never read (their shared-memory rows are
   zero-filled). Rows with no valid slot: out 0, lse +inf, max_logits -inf.
+  n_ctas: the grid size (the caller passes the SM count); CTA b walks the tiles
+  b, b + n_ctas, ... (a tile = one query token and 64 heads).
 
-Schedule (the FlashMLA SM90 idea, our own code): one CTA per (query token, 64-head tile),
-three warpgroups. The producer WG gathers kv rows by index into shared memory with 16-byte
-cp.async (zero-fill for invalid slots, never read) into two 64-row stages, each filled in two
+Schedule (the FlashMLA SM90 idea, our own code): persistent CTAs of three warpgroups. The
+producer WG gathers kv rows by index into shared memory with 16-byte cp.async (zero-fill for
+invalid slots, never read) into two 64-row stages, each filled in two
 parts guarded by their own mbarriers, and writes each slot's validity (and per warp whether all
 its rows are valid) next to them. The two consumer WGs ping-pong over blocks: WG w computes
 S = Q K^T (wgmma m64n64, M = 64 heads) and the softmax of the blocks n = w, w + 2, ..., and
@@ -29,9 +31,11 @@ P V of block n - 1 is issued between the two halves of S_n, so the stage part it
 back to the producer as soon as it is done. The max moves only when a block's exceeds it by
 more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as their readers
 are done: the owner's V half after its own P V, the other half (and P) after the other WG's.
-The output leaves through shared memory (the Q room, sized for it) as one 512-byte bulk copy
-per row half. L2 eviction policies keep the kv rows (reused by many queries) and let q and out
-stream through.
+Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
+done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
+finish; the output leaves through shared memory (stage 1, which the producer refills only after
+mbarrier o_free) as one 512-byte bulk copy per row half. L2 eviction policies keep the kv rows
+(reused by many queries) and let q and out stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
 (Dao-AILab/flash-attention, flash_attn/cute).
@@ -187,7 +191,7 @@ class SparseMlaFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                  mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
-                 sm_scale: Float32, stream: cuda.CUstream):
+                 sm_scale: Float32, n_ctas: Int32, stream: cuda.CUstream):
         d = self.d
         mma_s = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
@@ -201,8 +205,7 @@ class SparseMlaFwdSm90:
         sV_layout = _smem_layout((TILE_N, D_V))
         # D_qk 576: P lives in the stage's rope columns; 512 has no rope, so P gets its own room.
         p_elems = STAGES * TILE_M * TILE_N if d == 512 else 64
-        # the Q room also stages the output at the end (both WGs' halves, padded rows)
-        q_elems = max(TILE_M * d, 2 * TILE_M * O_ROW)
+        q_elems = TILE_M * d
 
         @cute.struct
         class Storage:
@@ -211,20 +214,23 @@ class SparseMlaFwdSm90:
             empty_own: cute.struct.MemRange[cutlass.Int64, STAGES]
             empty_rest: cute.struct.MemRange[cutlass.Int64, STAGES]
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            q_empty: cute.struct.MemRange[cutlass.Int64, 1]
+            o_free: cute.struct.MemRange[cutlass.Int64, 1]
             ready: cute.struct.MemRange[cutlass.Int64, 2]  # WG w published M and P of a block
             row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
-            row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
+            row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * TILE_M], 16]
             valid: cute.struct.Align[cute.struct.MemRange[Uint8, STAGES * TILE_N], 16]
             # per stage and producer warp: 1 if all 16 of the warp's rows are valid
             all_valid: cute.struct.Align[cute.struct.MemRange[Int32, STAGES * 4], 16]
-            true_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
+            true_max: cute.struct.Align[cute.struct.MemRange[Float32, 4 * TILE_M], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, q_elems], 1024]
             sKV0: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sKV1: cute.struct.Align[cute.struct.MemRange[BFloat16, TILE_N * d], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, p_elems], 1024]
 
         self.storage_cls = Storage
-        grid = (mQ.shape[0] * (self.h // TILE_M), 1, 1)
+        # persistent: at most n_ctas CTAs (the SM count), each walking tiles bidx, bidx + grid..
+        grid = (cutlass.min(mQ.shape[0] * (self.h // TILE_M), n_ctas), 1, 1)
         self.kernel(mQ, mKV, mIdx, mLen, mSink, mOut, mLse, mMax, sm_scale, mma_s, mma_rs,
                     sQ_layout, sK_layout, sV_layout).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=Storage.size_in_bytes(),
@@ -251,14 +257,11 @@ class SparseMlaFwdSm90:
         n_chunks = d // 64  # 64-column chunks of a row: 4 per V half, then the rope chunk
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        s = bidx // (h // TILE_M)
-        h0 = (bidx % (h // TILE_M)) * TILE_M
+        n_tiles = mQ.shape[0] * (h // TILE_M)
         s_kv = mKV.shape[0]
         k_slots = mIdx.shape[1]
-        n_len = cutlass.min(mLen[s], k_slots)
-        n_len = cutlass.max(n_len, 0)
-        n_blk = (n_len + TILE_N - 1) // TILE_N
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage_cls)
@@ -267,6 +270,8 @@ class SparseMlaFwdSm90:
         empty_own = st.empty_own.data_ptr()
         empty_rest = st.empty_rest.data_ptr()
         q_full = st.q_full.data_ptr()
+        q_empty = st.q_empty.data_ptr()
+        o_free = st.o_free.data_ptr()
         ready = st.ready.data_ptr()
         if tidx == 0:
             for i in cutlass.range_constexpr(STAGES):
@@ -276,6 +281,8 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_init(empty_own + i, 128)
                 cute.arch.mbarrier_init(empty_rest + i, 128)
             cute.arch.mbarrier_init(q_full, 128)
+            cute.arch.mbarrier_init(q_empty, 8)  # lane 0 of each consumer warp
+            cute.arch.mbarrier_init(o_free, 8)
             cute.arch.mbarrier_init(ready, 128)
             cute.arch.mbarrier_init(ready + 1, 128)
         cute.arch.mbarrier_init_fence()
@@ -290,7 +297,8 @@ class SparseMlaFwdSm90:
             # columns 512..575 of a stage: one contiguous 64 x 64 swizzled tile
             p_base = [st.sKV0.data_ptr() + D_V * TILE_N, st.sKV1.data_ptr() + D_V * TILE_N]
         else:
-            p_base = [st.sP.data_ptr(), st.sP.data_ptr() + TILE_M * TILE_N]
+            # stage 1's P room first: the output staging (from stage 1 on) runs into it
+            p_base = [st.sP.data_ptr() + TILE_M * TILE_N, st.sP.data_ptr()]
         sValid = cute.make_tensor(st.valid.data_ptr(), cute.make_layout((STAGES, TILE_N),
                                                                         stride=(TILE_N, 1)))
         sAllValid = cute.make_tensor(st.all_valid.data_ptr(), cute.make_layout((STAGES, 4),
@@ -301,76 +309,92 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             r_in = tidx // 8  # 16 rows per pass
             c_in = tidx % 8  # 8 x 16 B = one 64-column chunk of a row per pass
-            q_smem = st.sQ.data_ptr().toint()
             kv_smem = st.sKV0.data_ptr().toint()
             kv_stage_bytes = Int32(TILE_N * d * 2)
-            q_row0 = mQ.iterator.toint() + (Int64(s) * h + h0) * (d * 2)
             kv_base = mKV.iterator.toint()
             keep = _l2_policy(True)
-            stream_once = _l2_policy(False)
-            # this thread's kv row ids, loaded one block ahead (global load latency off the path);
-            # block 0's are requested first, before n_len is known, and masked after the Q copy
+            # fills of each stage so far (all tiles): the parity of the next empty wait
+            uses = cute.make_rmem_tensor((STAGES,), Int32)
+            uses.fill(0)
+            # this thread's kv row ids, loaded one block ahead (global load latency off the
+            # path); the last block of a tile loads those of the next tile's first block
             nxt = cute.make_rmem_tensor((TILE_N // 16,), Int32)
-            self._load_rows(mIdx, s, Int32(0), k_slots, r_in, nxt)
-            for i in cutlass.range_constexpr(TILE_M // 16):
-                row = r_in + 16 * i
-                for j in cutlass.range_constexpr(n_chunks):
-                    col = (c_in + 8 * j) * 8
-                    _cp_async_16(q_smem + _swizzled_byte_offset(row, col, TILE_M),
-                                 q_row0 + Int64(row * d + col) * 2, Int32(16), stream_once)
-            cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
+            pref = cute.make_rmem_tensor((1,), Int32)  # the tile whose block 0 nxt holds
+            pref[0] = Int32(-1)
             src = cute.make_rmem_tensor((TILE_N // 16,), Int64)
             nbytes = cute.make_rmem_tensor((TILE_N // 16,), Int32)
-            for i in cutlass.range_constexpr(TILE_N // 16):
-                if r_in + 16 * i >= n_len:
-                    nxt[i] = Int32(-1)
-            n_pair = (n_blk + 1) // 2
-            for bp in cutlass.range(n_pair, unroll=1):
-                for stage in cutlass.range_constexpr(STAGES):
-                    blk = bp * STAGES + stage
-                    if blk < n_blk:
-                        cur = cute.make_rmem_tensor((TILE_N // 16,), Int32)
-                        for i in cutlass.range_constexpr(TILE_N // 16):
-                            cur[i] = nxt[i]
-                        self._load_rows(mIdx, s, blk + 1, n_len, r_in, nxt)
-                        for i in cutlass.range_constexpr(TILE_N // 16):
-                            kv_row = cur[i]
-                            ok = kv_row >= 0 and kv_row < s_kv
-                            nbytes[i] = Int32(0)
-                            src[i] = kv_base
-                            if ok:
-                                nbytes[i] = Int32(16)
-                                src[i] = kv_base + Int64(kv_row) * (d * 2)
-                        stage_smem = kv_smem + stage * kv_stage_bytes
-                        if blk >= STAGES:
-                            cute.arch.mbarrier_wait(empty_own + stage, (bp - 1) % 2)
-                        # part 1: the owner's V half (and the slot validity)
-                        for i in cutlass.range_constexpr(TILE_N // 16):
-                            row = r_in + 16 * i
-                            for j in cutlass.range_constexpr(4):
-                                col = (c_in + 8 * (4 * stage + j)) * 8
-                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, TILE_N),
-                                             src[i] + col * 2, nbytes[i], keep)
-                            if c_in == 0:
-                                sValid[stage, row] = Uint8(nbytes[i] != 0)
-                        mine = ((nbytes[0] != 0) and (nbytes[1] != 0) and (nbytes[2] != 0)
-                                and (nbytes[3] != 0))
-                        all_ok = cute.arch.vote_all_sync(mine)
-                        if tidx % 32 == 0:
-                            sAllValid[stage, warp] = Int32(all_ok)
-                        cute.arch.cp_async_mbarrier_arrive_noinc(full_own + stage)
-                        cute.arch.mbarrier_arrive(full_own + stage)
-                        # part 2: the other V half and the rope columns
-                        if blk >= STAGES:
-                            cute.arch.mbarrier_wait(empty_rest + stage, (bp - 1) % 2)
-                        for i in cutlass.range_constexpr(TILE_N // 16):
-                            row = r_in + 16 * i
-                            for j in cutlass.range_constexpr(n_chunks - 4):
-                                jj = 4 * (1 - stage) + j if j < 4 else j + 4
-                                col = (c_in + 8 * jj) * 8
-                                _cp_async_16(stage_smem + _swizzled_byte_offset(row, col, TILE_N),
-                                             src[i] + col * 2, nbytes[i], keep)
-                        cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
+            for t in cutlass.range(bidx, n_tiles, n_ctas, unroll=1):
+                ti = (t - bidx) // n_ctas
+                s = t // (h // TILE_M)
+                h0 = (t % (h // TILE_M)) * TILE_M
+                n_len = self._len(mLen, s, k_slots)
+                n_blk = (n_len + TILE_N - 1) // TILE_N
+                if pref[0] != t:
+                    self._load_rows(mIdx, s, Int32(0), n_len, r_in, nxt)
+                # the Q room is free once the previous tile's last S is done
+                self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
+                             q_empty)
+                n_pair = (n_blk + 1) // 2
+                for bp in cutlass.range(n_pair, unroll=1):
+                    for stage in cutlass.range_constexpr(STAGES):
+                        blk = bp * STAGES + stage
+                        if blk < n_blk:
+                            cur = cute.make_rmem_tensor((TILE_N // 16,), Int32)
+                            for i in cutlass.range_constexpr(TILE_N // 16):
+                                cur[i] = nxt[i]
+                            self._load_rows(mIdx, s, blk + 1, n_len, r_in, nxt)
+                            if blk + 1 == n_blk and t + n_ctas < n_tiles:
+                                s_next = (t + n_ctas) // (h // TILE_M)
+                                self._load_rows(mIdx, s_next, Int32(0),
+                                                self._len(mLen, s_next, k_slots), r_in, nxt)
+                                pref[0] = t + n_ctas
+                            for i in cutlass.range_constexpr(TILE_N // 16):
+                                kv_row = cur[i]
+                                ok = kv_row >= 0 and kv_row < s_kv
+                                nbytes[i] = Int32(0)
+                                src[i] = kv_base
+                                if ok:
+                                    nbytes[i] = Int32(16)
+                                    src[i] = kv_base + Int64(kv_row) * (d * 2)
+                            stage_smem = kv_smem + stage * kv_stage_bytes
+                            use = uses[stage] + bp
+                            if use > 0:
+                                cute.arch.mbarrier_wait(empty_own + stage, (use - 1) % 2)
+                            if const_expr(stage == 1):
+                                if ti > 0 and bp == 0:
+                                    # the previous tile's output has left stage 1
+                                    cute.arch.mbarrier_wait(o_free, (ti - 1) % 2)
+                            # part 1: the owner's V half (and the slot validity)
+                            for i in cutlass.range_constexpr(TILE_N // 16):
+                                row = r_in + 16 * i
+                                for j in cutlass.range_constexpr(4):
+                                    col = (c_in + 8 * (4 * stage + j)) * 8
+                                    _cp_async_16(
+                                        stage_smem + _swizzled_byte_offset(row, col, TILE_N),
+                                        src[i] + col * 2, nbytes[i], keep)
+                                if c_in == 0:
+                                    sValid[stage, row] = Uint8(nbytes[i] != 0)
+                            mine = ((nbytes[0] != 0) and (nbytes[1] != 0) and (nbytes[2] != 0)
+                                    and (nbytes[3] != 0))
+                            all_ok = cute.arch.vote_all_sync(mine)
+                            if tidx % 32 == 0:
+                                sAllValid[stage, warp] = Int32(all_ok)
+                            cute.arch.cp_async_mbarrier_arrive_noinc(full_own + stage)
+                            cute.arch.mbarrier_arrive(full_own + stage)
+                            # part 2: the other V half and the rope columns
+                            if use > 0:
+                                cute.arch.mbarrier_wait(empty_rest + stage, (use - 1) % 2)
+                            for i in cutlass.range_constexpr(TILE_N // 16):
+                                row = r_in + 16 * i
+                                for j in cutlass.range_constexpr(n_chunks - 4):
+                                    jj = 4 * (1 - stage) + j if j < 4 else j + 4
+                                    col = (c_in + 8 * jj) * 8
+                                    _cp_async_16(
+                                        stage_smem + _swizzled_byte_offset(row, col, TILE_N),
+                                        src[i] + col * 2, nbytes[i], keep)
+                            cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
+                uses[0] = uses[0] + (n_blk + 1) // 2
+                uses[1] = uses[1] + n_blk // 2
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         else:
@@ -379,12 +403,35 @@ class SparseMlaFwdSm90:
             wg = (warp - 4) // 4
             for w in cutlass.range_constexpr(2):
                 if wg == w:
-                    self._consumer(w, tidx % 128, tidx % 32, s, h0, n_blk, sm_scale, mSink, mOut,
-                                   st.sQ.data_ptr(),
+                    self._consumer(w, tidx % 128, tidx % 32, bidx, n_ctas, n_tiles, k_slots,
+                                   sm_scale, mLen, mSink, mOut, st.sKV1.data_ptr(),
                                    mLse, mMax, mma_s, mma_rs, sQ, sK, sV, p_base, sValid,
                                    sAllValid, st.row_max.data_ptr(), st.row_sum.data_ptr(),
                                    st.true_max.data_ptr(), full_own,
-                                   full_rest, empty_own, empty_rest, q_full, ready)
+                                   full_rest, empty_own, empty_rest, q_full, q_empty, o_free,
+                                   ready)
+
+    @staticmethod
+    def _len(mLen: cute.Tensor, s, k_slots):
+        """Slots used by query s: topk_length clamped to [0, K]."""
+        return cutlass.max(cutlass.min(mLen[s], k_slots), 0)
+
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, s: Int32, h0: Int32, ti: Int32, r_in: Int32, c_in: Int32,
+                q_smem: Int32, q_full, q_empty):
+        """Copy the tile's 64 x D_qk Q rows into the Q room once the previous tile freed it."""
+        d = self.d
+        if ti > 0:
+            cute.arch.mbarrier_wait(q_empty, (ti - 1) % 2)
+        q_row0 = mQ.iterator.toint() + (Int64(s) * self.h + h0) * (d * 2)
+        stream_once = _l2_policy(False)
+        for i in cutlass.range_constexpr(TILE_M // 16):
+            row = r_in + 16 * i
+            for j in cutlass.range_constexpr(d // 64):
+                col = (c_in + 8 * j) * 8
+                _cp_async_16(q_smem + _swizzled_byte_offset(row, col, TILE_M),
+                             q_row0 + Int64(row * d + col) * 2, Int32(16), stream_once)
+        cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
     @cute.jit
     def _load_rows(self, mIdx: cute.Tensor, s: Int32, blk: Int32, n_len: Int32, r_in: Int32,
@@ -398,12 +445,13 @@ class SparseMlaFwdSm90:
             rows[i] = kv_row
 
     @cute.jit
-    def _consumer(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, s: Int32, h0: Int32,
-                  n_blk: Int32, sm_scale: Float32, mSink: cute.Tensor, mOut: cute.Tensor, o_smem,
+    def _consumer(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, bidx: Int32,
+                  n_ctas: Int32, n_tiles: Int32, k_slots: Int32, sm_scale: Float32,
+                  mLen: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, o_smem,
                   mLse: cute.Tensor, mMax: cute.Tensor, mma_s: cute.TiledMma,
                   mma_rs: cute.TiledMma, sQ, sK, sV, p_base, sValid: cute.Tensor,
                   sAllValid: cute.Tensor, row_max_ptr, row_sum_ptr, true_max_ptr, full_own,
-                  full_rest, empty_own, empty_rest, q_full, ready):
+                  full_rest, empty_own, empty_rest, q_full, q_empty, o_free, ready):
         d = self.d
         h = self.h
         o = 1 - w  # the other consumer warpgroup (and the stage of its blocks)
@@ -425,7 +473,6 @@ class SparseMlaFwdSm90:
         cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
 
         acc_o = cute.make_rmem_tensor(thr_rs.partition_shape_C((TILE_M, HALF)), Float32)
-        acc_o.fill(0.0)
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
         # P as the register A operand of the P V wgmma: the m64n64 accumulator fragment read as
         # four k16 slices (elements 8k..8k+7 are k slice k), i.e. the same registers in order.
@@ -441,49 +488,82 @@ class SparseMlaFwdSm90:
         rows[1] = cS[2][0]
         m_cur = cute.make_rmem_tensor((2,), Float32)  # row max (raw logits) O is relative to
         l_sum = cute.make_rmem_tensor((2,), Float32)  # this thread's part of the row sum
-        m_cur.fill(-math.inf)
-        l_sum.fill(0.0)
         sMax = cute.make_tensor(row_max_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
-        sSum = cute.make_tensor(row_sum_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
-        # the true row max of each WG's blocks (m_cur may lag it, see _own_block)
-        sTrue = cute.make_tensor(true_max_ptr, cute.make_layout((2, TILE_M), stride=(TILE_M, 1)))
+        # per tile parity and WG: row sums and true maxima for the epilogue (two tiles' worth,
+        # so a WG that races ahead into the next tile's epilogue cannot overwrite what the
+        # other still reads)
+        sSum = cute.make_tensor(row_sum_ptr, cute.make_layout((2, 2, TILE_M),
+                                                              stride=(2 * TILE_M, TILE_M, 1)))
+        sTrue = cute.make_tensor(true_max_ptr, cute.make_layout((2, 2, TILE_M),
+                                                                stride=(2 * TILE_M, TILE_M, 1)))
+        # the true row max of this WG's blocks (m_cur may lag it, see _own_block)
         m_true = cute.make_rmem_tensor((2,), Float32)
-        m_true.fill(-math.inf)
+        uses = cute.make_rmem_tensor((STAGES,), Int32)  # blocks of each WG in earlier tiles
+        uses.fill(0)
 
-        cute.arch.mbarrier_wait(q_full, 0)
-        n_own = cutlass.max((n_blk - w + 1) // 2, 0)
-        st = (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
-              sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
-              mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready)
-        # Block 0 has no predecessor: WG0's first block is peeled so that no wgmma sits in a
-        # data-dependent branch (ptxas would serialize them).
-        if const_expr(w == 0):
-            if n_own > 0:
-                self._own_block(st, Int32(0), False)
-            for it in cutlass.range(1, n_own, unroll=1):
-                self._own_block(st, it, True)
-        else:
-            for it in cutlass.range(n_own, unroll=1):
-                self._own_block(st, it, True)
+        for t in cutlass.range(bidx, n_tiles, n_ctas, unroll=1):
+            ti = (t - bidx) // n_ctas
+            s = t // (h // TILE_M)
+            h0 = (t % (h // TILE_M)) * TILE_M
+            n_blk = (self._len(mLen, s, k_slots) + TILE_N - 1) // TILE_N
+            n_own = cutlass.max((n_blk - w + 1) // 2, 0)
+            acc_o.fill(0.0)
+            m_cur.fill(-math.inf)
+            l_sum.fill(0.0)
+            m_true.fill(-math.inf)
+            cute.arch.mbarrier_wait(q_full, ti % 2)
+            if n_own == 0 and lane == 0:
+                cute.arch.mbarrier_arrive(q_empty)  # no S of this WG reads the Q room
+            st = (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+                  sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid,
+                  mma_s, mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest,
+                  ready, uses, n_own, q_empty)
+            # Block 0 has no predecessor: WG0's first block is peeled so that no wgmma sits in
+            # a data-dependent branch (ptxas would serialize them).
+            if const_expr(w == 0):
+                if n_own > 0:
+                    self._own_block(st, Int32(0), False)
+                for it in cutlass.range(1, n_own, unroll=1):
+                    self._own_block(st, it, True)
+            else:
+                for it in cutlass.range(n_own, unroll=1):
+                    self._own_block(st, it, True)
 
-        warpgroup.wait_group(0)
-        if n_blk > 0 and (n_blk - 1) % 2 == o:
-            # the last block is the other WG's
-            self._other_block(st, ((n_blk - 1) // 2) % 2)
             warpgroup.wait_group(0)
+            if n_own > 0:
+                cute.arch.mbarrier_arrive(empty_own + w)  # the last own block's V half
+            if n_blk > 0 and (n_blk - 1) % 2 == o:
+                # the last block is the other WG's
+                self._other_block(st, (uses[o] + (n_blk - 1) // 2) % 2)
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(empty_rest + o)
+            self._epilogue(st, ti % 2, s, h0, sm_scale, mSink, mOut, mLse, mMax, o_smem,
+                           sSum, sTrue, thr_rs, o_free)
+            uses[0] = uses[0] + (n_blk + 1) // 2
+            uses[1] = uses[1] + n_blk // 2
 
-        # ---------------- epilogue ----------------
+    @cute.jit
+    def _epilogue(self, st, par: Int32, s: Int32, h0: Int32, sm_scale: Float32,
+                  mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
+                  o_smem, sSum: cute.Tensor, sTrue: cute.Tensor, thr_rs, o_free):
+        """Row sums across both WGs, lse / max_logits, and this WG's half of the output."""
+        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+         sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
+         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
+         n_own, q_empty) = st
+        h = self.h
+        wtid = cute.arch.thread_idx()[0] % 128
         for r in cutlass.range_constexpr(2):
             l = l_sum[r]
             l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
             l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
             if lane % 4 == 0:
-                sSum[w, rows[r]] = l
-                sTrue[w, rows[r]] = m_true[r]
+                sSum[par, w, rows[r]] = l
+                sTrue[par, w, rows[r]] = m_true[r]
         _barrier_sync(3, 256)
         factor = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            l = sSum[0, rows[r]] + sSum[1, rows[r]]  # same order in both WGs
+            l = sSum[par, 0, rows[r]] + sSum[par, 1, rows[r]]  # same order in both WGs
             m = m_cur[r]
             lse = Float32(math.inf)
             mx = Float32(-math.inf)
@@ -491,7 +571,7 @@ class SparseMlaFwdSm90:
             if l > 0.0:
                 m_scaled = m * sm_scale
                 lse = m_scaled + _lg2(l) * LN2
-                mx = cute.arch.fmax(sTrue[0, rows[r]], sTrue[1, rows[r]]) * sm_scale
+                mx = cute.arch.fmax(sTrue[par, 0, rows[r]], sTrue[par, 1, rows[r]]) * sm_scale
                 sink = mSink[h0 + rows[r]]
                 f = 1.0 / (l + _ex2((sink - m_scaled) * LOG2E))
             factor[r] = f
@@ -499,23 +579,27 @@ class SparseMlaFwdSm90:
                 if lane % 4 == 0:
                     mLse[s, h0 + rows[r]] = lse
                     mMax[s, h0 + rows[r]] = mx
-        # O goes through shared memory (the Q room: every S is done) and leaves as one 512-byte
-        # bulk copy per row, instead of scattered 2-byte stores from the fragment.
         rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             rO[i] = (acc_o[i] * factor[(i // 2) % 2]).to(BFloat16)
+        # O goes through shared memory (stage 1: every block of the tile is done; the
+        # producer waits for o_free before refilling it) and leaves as one 512-byte bulk copy
+        # per row, instead of scattered stores from the fragment.
         sO = cute.make_tensor(o_smem + w * TILE_M * O_ROW,
                               cute.make_layout((TILE_M, HALF), stride=(O_ROW, 1)))
         cute.autovec_copy(rO, thr_rs.partition_C(sO))
         cute.arch.fence_view_async_shared()
-        # warp k of the WG holds rows 16 k .. 16 k + 15 of the fragment: it copies those itself
+        # warp k of the WG holds rows 16 k .. 16 k + 15 of the fragment: it copies those
         cute.arch.sync_warp()
         if lane < 16:
             row = (wtid // 32) * 16 + lane
             g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + row) * D_V + w * HALF) * 2
-            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(), Int32(HALF * 2),
-                        _l2_policy(False))
+            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(),
+                        Int32(HALF * 2), _l2_policy(False))
             _bulk_commit_and_wait_read()
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(o_free)  # stage 1 is the producer's again
 
     @cute.jit
     def _own_block(self, st, it: Int32, has_other: cutlass.Constexpr[bool]):
@@ -528,10 +612,11 @@ class SparseMlaFwdSm90:
         the producer as soon as it is done, not after this block's softmax."""
         (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
-         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready) = st
+         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
+         n_own, q_empty) = st
         n_s = cute.size(acc_s)
         steps_own, steps_rest = _s_k_steps(w, d)
-        ph = it % 2
+        ph = (uses[w] + it) % 2
         warpgroup.wait_group(0)  # own P V of block n - 2 done: its V half (and rP) are free
         if it > 0:
             cute.arch.mbarrier_arrive(empty_own + w)
@@ -541,7 +626,7 @@ class SparseMlaFwdSm90:
         warpgroup.fence()
         self._mma(mma_s, acc_s, tSrQ, tSrK, steps_own, True)
         if const_expr(has_other):
-            self._other_block(st, (it - 1 + w) % 2)
+            self._other_block(st, (uses[o] + it - 1 + w) % 2)
         cute.arch.mbarrier_wait(full_rest + w, ph)
         cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -551,6 +636,8 @@ class SparseMlaFwdSm90:
             warpgroup.wait_group(1)  # P V of block n - 1 done: release its part of the stage
             cute.arch.mbarrier_arrive(empty_rest + o)
         warpgroup.wait_group(0)
+        if it == n_own - 1 and lane == 0:
+            cute.arch.mbarrier_arrive(q_empty)  # this WG's last S of the tile is done
         # mask invalid slots (skipped when the producer saw every slot valid), row max
         all_valid = (sAllValid[w, 0] & sAllValid[w, 1] & sAllValid[w, 2] & sAllValid[w, 3])
         if all_valid == 0:
@@ -613,7 +700,8 @@ class SparseMlaFwdSm90:
         issue its P V on this WG's output columns."""
         (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
-         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready) = st
+         mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
+         n_own, q_empty) = st
         cute.arch.mbarrier_wait(ready + o, phase)  # acquire: its M and P are visible
         cute.autovec_copy(sP_oth, rP_words)
         scale_row = cute.make_rmem_tensor((2,), Float32)

@@ -21,6 +21,7 @@ struct SparseMlaFwdLaunch {
   int32_t s_q, s_kv, topk;
   float sm_scale;
   cudaStream_t stream;
+  int32_t num_ctas;           // persistent grid: at most this many CTAs (the SM count)
 };
 
 struct SparseMlaFwdKernel {
