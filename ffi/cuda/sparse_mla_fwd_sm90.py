@@ -393,6 +393,9 @@ class SparseMlaFwdSm90:
                                         stage_smem + _swizzled_byte_offset(row, col, TILE_N),
                                         src[i] + col * 2, nbytes[i], keep)
                             cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
+                if ti > 0 and n_blk < 2:
+                    # no block of this tile went to stage 1: still wait for every o_free phase
+                    cute.arch.mbarrier_wait(o_free, (ti - 1) % 2)
                 uses[0] = uses[0] + (n_blk + 1) // 2
                 uses[1] = uses[1] + n_blk // 2
             cute.arch.cp_async_commit_group()
