@@ -281,8 +281,8 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_init(empty_own + i, 128)
                 cute.arch.mbarrier_init(empty_rest + i, 128)
             cute.arch.mbarrier_init(q_full, 128)
-            cute.arch.mbarrier_init(q_empty, 8)  # lane 0 of each consumer warp
-            cute.arch.mbarrier_init(o_free, 8)
+            cute.arch.mbarrier_init(q_empty, 256)  # every consumer thread
+            cute.arch.mbarrier_init(o_free, 256)
             cute.arch.mbarrier_init(ready, 128)
             cute.arch.mbarrier_init(ready + 1, 128)
         cute.arch.mbarrier_init_fence()
@@ -516,7 +516,9 @@ class SparseMlaFwdSm90:
             m_true.fill(-math.inf)
             cute.arch.mbarrier_wait(q_full, ti % 2)
             if n_own == 0 and lane == 0:
-                cute.arch.mbarrier_arrive(q_empty)  # no S of this WG reads the Q room
+                # no S of this WG reads the Q room (one arrival per warp: a uniform branch
+                # here makes ptxas serialize the wgmma)
+                cute.arch.mbarrier_arrive(q_empty, arrive_count=32)
             st = (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
                   sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid,
                   mma_s, mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest,
@@ -601,8 +603,7 @@ class SparseMlaFwdSm90:
                         Int32(HALF * 2), _l2_policy(False))
             _bulk_commit_and_wait_read()
         cute.arch.sync_warp()
-        if lane == 0:
-            cute.arch.mbarrier_arrive(o_free)  # stage 1 is the producer's again
+        cute.arch.mbarrier_arrive(o_free)  # stage 1 is the producer's again
 
     @cute.jit
     def _own_block(self, st, it: Int32, has_other: cutlass.Constexpr[bool]):
@@ -639,7 +640,7 @@ class SparseMlaFwdSm90:
             warpgroup.wait_group(1)  # P V of block n - 1 done: release its part of the stage
             cute.arch.mbarrier_arrive(empty_rest + o)
         warpgroup.wait_group(0)
-        if it == n_own - 1 and lane == 0:
+        if it == n_own - 1:
             cute.arch.mbarrier_arrive(q_empty)  # this WG's last S of the tile is done
         # mask invalid slots (skipped when the producer saw every slot valid), row max
         all_valid = (sAllValid[w, 0] & sAllValid[w, 1] & sAllValid[w, 2] & sAllValid[w, 3])
