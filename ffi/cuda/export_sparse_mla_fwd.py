@@ -62,8 +62,10 @@ def compile_one(h: int, d: int, out_dir: str, arch: str) -> str:
     out = fake(bf, (s_q, h, D_V), (h * D_V, D_V, 1), assumed_align=16)
     lse = fake(f32, (s_q, h), (h, 1), assumed_align=4)
     mx = fake(f32, (s_q, h), (h, 1), assumed_align=4)
+    # sm_scale and n_ctas (the persistent grid) are run-time scalars
     compiled = cute.compile(SparseMlaFwdSm90(h, d), q, kv, idx, length, sink, out, lse, mx,
-                            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(), options=f"--gpu-arch {arch}")
+                            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(),
+                            options=f"--gpu-arch {arch}")
     p = prefix(h, d)
     compiled.export_to_c(out_dir, p, p)
     return p

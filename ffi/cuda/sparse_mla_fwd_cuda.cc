@@ -12,8 +12,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -111,7 +111,8 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
     return FwdInvalid("results must be out [S_q, H, 512], lse [S_q, H], max_logits [S_q, H]");
   if (s_q == 0) return ffi::Error::Success();
   if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
-  if (s_q * (h / 64) > INT32_MAX || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
+  // (the kernel's tile walk adds the grid size to a tile index)
+  if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
     return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
   const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d));
   if (!kern)
