@@ -11,9 +11,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -69,20 +69,21 @@ bool Shaped(const B& b, std::initializer_list<int64_t> want) {
   return true;
 }
 
-// The persistent kernel's grid: the current device's SM count, or fewer if
-// JAX_DSA_FWD_MAX_CTAS says so (tests use it to make each CTA walk many tiles).
-int32_t NumCtas() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
-    n = 132;
-  if (const char* cap = std::getenv("JAX_DSA_FWD_MAX_CTAS"); cap && std::atoi(cap) > 0)
-    n = std::min(n, std::atoi(cap));
-  return n;
+// The persistent kernel's grid: the current device's SM count, queried once per device.
+int32_t NumSms() {
+  static std::atomic<int32_t> cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  int32_t n = cached[dev].load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  int m = 0;
+  if (cudaDeviceGetAttribute(&m, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || m < 1)
+    m = 132;
+  cached[dev].store(m, std::memory_order_relaxed);
+  return m;
 }
 
-ffi::Error Launch(const SparseMlaFwdKernel* kern, SparseMlaFwdLaunch a) {
-  a.num_ctas = NumCtas();
+ffi::Error Launch(const SparseMlaFwdKernel* kern, const SparseMlaFwdLaunch& a) {
   int32_t rc = kern->run(a);
   cudaError_t e = cudaGetLastError();
   if (rc != 0 || e != cudaSuccess)
@@ -121,7 +122,8 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
   if (cudaError_t e = LoadFwd(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
   SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
                        attn_sink.typed_data(), out->untyped_data(), lse->typed_data(),
-                       max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream, 0};
+                       max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream,
+                       NumSms()};
   return Launch(kern, a);
 }
 
@@ -130,11 +132,12 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
 
 // Benchmark harness (through ctypes): the same kernel launched from raw device pointers on a
 // private stream, no XLA. CUDA-event time of each of `iters` launches into ms_events.
+// max_ctas > 0 caps the persistent grid (tests use it to make each CTA walk many tiles).
 // Returns 0, or a CUDA error code (negative: no such variant / launch failure).
 extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw_bench(
     const void* q, const void* kv, const int32_t* indices, const int32_t* topk_length,
     const float* attn_sink, void* out, float* lse, float* max_logits, int s_q, int s_kv, int h,
-    int d, int k, float sm_scale, int iters, float* ms_events) {
+    int d, int k, float sm_scale, int iters, int max_ctas, float* ms_events) {
   using namespace jax_dsa;
   const SparseMlaFwdKernel* kern = FindFwd(h, d);
   if (!kern) return -1;
@@ -145,7 +148,7 @@ extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   SparseMlaFwdLaunch a{q, kv, indices, topk_length, attn_sink, out, lse, max_logits, s_q, s_kv, k,
-                       sm_scale, stream, 0};
+                       sm_scale, stream, max_ctas > 0 ? std::min(NumSms(), max_ctas) : NumSms()};
   int rc = 0;
   for (int i = 0; i < iters && rc == 0; ++i) {
     cudaEventRecord(e0, stream);
