@@ -33,9 +33,10 @@ more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as
 are done: the owner's V half after its own P V, the other half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
-finish; the output leaves through shared memory (stage 1, which the producer refills only after
-mbarrier o_free) as one 512-byte bulk copy per row half. L2 eviction policies keep the kv rows
-(reused by many queries) and let q and out stream through.
+finish; the next tile's Q and row ids are prefetched into L2 when a tile starts; the output
+leaves through shared memory (stage 1, which the producer refills only after mbarrier o_free) as
+one 512-byte bulk copy per row half. L2 eviction policies keep the kv rows (reused by many
+queries) and let q and out stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
 (Dao-AILab/flash-attention, flash_attn/cute).
@@ -113,6 +114,17 @@ def _bulk_store(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, policy: Int64
          Int32(nbytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
         "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [$0], [$1], $2, $3;",
         "l,r,r,l", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _prefetch_l2(gmem_addr: Int64, nbytes: Int32, *, loc=None, ip=None):
+    """Bulk prefetch of nbytes contiguous bytes (16-byte aligned) from global memory into L2."""
+    llvm.inline_asm(
+        None,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;",
+        "l,r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -334,6 +346,15 @@ class SparseMlaFwdSm90:
                 # the Q room is free once the previous tile's last S is done
                 self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
                              q_empty)
+                if tidx == 0 and t + n_ctas < n_tiles:
+                    # the next tile's Q and row ids wait in L2, not HBM, when their turn comes
+                    t_next = t + n_ctas
+                    s_next = t_next // (h // TILE_M)
+                    h_next = (t_next % (h // TILE_M)) * TILE_M
+                    _prefetch_l2(mQ.iterator.toint() + (Int64(s_next) * h + h_next) * (d * 2),
+                                 Int32(TILE_M * d * 2))
+                    _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
+                                 k_slots * 4)
                 n_pair = (n_blk + 1) // 2
                 for bp in cutlass.range(n_pair, unroll=1):
                     for stage in cutlass.range_constexpr(STAGES):
