@@ -66,6 +66,8 @@ def main():
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out")
+    p.add_argument("--commit", help="commit of the build measured (default: this checkout's HEAD; "
+                   "give it where the copy's git metadata is stale)")
     a = p.parse_args()
     rows = []
     for name in a.shapes:
@@ -74,8 +76,9 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
     if a.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        commit = a.commit or head or "unknown"
         with open(a.out, "w") as f:
             json.dump({"benchmark": "sparse_mla fwd+bwd under jax.jit",
                        "date": datetime.date.today().isoformat(),
