@@ -5,7 +5,8 @@ a dp=2, cp=2, tp=2 mesh of 8 CPU devices with its parameters and batch placed by
 :data:`jax_dsa.sharding.DEFAULT_RULES` and the layers' activation constraints; logits, the LM
 and indexer losses and every parameter gradient are compared with one device. The zigzag
 context-parallel layout (cp=4) gives the natural-order logits back after
-:func:`jax_dsa.sharding.from_zigzag`.
+:func:`jax_dsa.sharding.from_zigzag`. On a mesh of ``Explicit`` axes (the sharding is part of
+every array's type) the same model runs and equals one device too.
 """
 
 from __future__ import annotations
@@ -16,28 +17,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.configs import get_config
 from jax_dsa.nn import DSALanguageModel
+from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 from jax_dsa.sharding import from_zigzag, logical_to_spec, to_zigzag
+from jax_dsa.sharding.constraints import explicit_axes
 from test_sharding import assert_close, collectives
 
 B, S = 2, 32
 
 
-def make_mesh(sizes):
+def make_mesh(sizes, axis_type=AxisType.Auto):
     n = int(np.prod(list(sizes.values())))
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
-                         axis_types=(AxisType.Auto,) * len(sizes), devices=jax.devices()[:n])
+                         axis_types=(axis_type,) * len(sizes), devices=jax.devices()[:n])
 
 
 @functools.cache
-def model_and_batch():
-    config = get_config("glm5-tiny", index_topk=8)
-    model = DSALanguageModel(config, rngs=nnx.Rngs(0))
+def model_and_batch(preset="glm5-tiny"):
+    """Model pieces and a packed batch; index_topk 8 keeps the top-k selective (32 tokens for
+    GLM-5 tiny, 64 for V4 tiny: 16 compressed entries at its CSA ratio 4)."""
+    config = get_config(preset, index_topk=8)
+    v4 = preset.startswith("deepseek-v4")
+    model = (DeepseekV4LanguageModel if v4 else DSALanguageModel)(config, rngs=nnx.Rngs(0))
+    s = 2 * S if v4 else S
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
     # O(1) weights so that attention and the indexer scores are far from uniform.
     rng = np.random.default_rng(0)
@@ -47,11 +55,12 @@ def model_and_batch():
             else rng.standard_normal(x.shape) * 1.5 * x.shape[-1] ** -0.5, x.dtype),
         nnx.to_pure_dict(state))
     logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
-    ids = rng.integers(0, config.vocab_size, (B, S)).astype(np.int32)
-    seg = np.ones((B, S), np.int32)
-    seg[1, 20:] = 2  # row 1 packs two documents
-    pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
-    pos[1, 20:] -= 20
+    ids = rng.integers(0, config.vocab_size, (B, s)).astype(np.int32)
+    cut = s * 5 // 8
+    seg = np.ones((B, s), np.int32)
+    seg[1, cut:] = 2  # row 1 packs two documents
+    pos = np.tile(np.arange(s, dtype=np.int32), (B, 1))
+    pos[1, cut:] -= cut
     return graphdef, params, rest, logical, (ids, pos, seg)
 
 
@@ -62,7 +71,10 @@ def step(graphdef, mode):
     def loss(params, rest, ids, pos, seg, targets):
         model = nnx.merge(graphdef, params, rest)
         logits, aux = model(ids, pos, seg, attention_mode=mode)
-        lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        by_row = logits
+        if explicit_axes():  # optax gathers the target's logit: the vocab comes whole
+            by_row = jax.sharding.reshard(logits, P(*jax.typeof(logits).sharding.spec[:2], None))
+        lm = optax.softmax_cross_entropy_with_integer_labels(by_row, targets).mean()
         return lm + aux["indexer_loss"], (logits, lm, aux["indexer_loss"])
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -146,3 +158,56 @@ def test_zigzag_layout_gives_the_natural_order_back():
         (total, (logits, lm, idx_loss)), grads = f(p, rest, *batch)
     logits = from_zigzag(logits, cp)
     check(((total, (logits, lm, idx_loss)), grads), want)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_model_on_explicit_axes_equals_unsharded(mode):
+    """dp=2, cp=2, tp=2 of Explicit axes: the embedding gather, the projections and the dense
+    slot list name their output sharding, and the ops' custom VJP returns each cotangent typed
+    like its primal (d_attn_sink comes out of the head-split backward); logits, losses and
+    every gradient equal one device, with the same placement as under Auto axes."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+    f = step(graphdef, mode)
+    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2}, AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        got = f(p, rest, *batch)
+    check(got, want)
+    assert jax.typeof(got[0][1][0]).sharding.spec == P("dp", "cp", "tp")  # logits
+    grad = got[1]["layers"][0]["self_attn"]
+    assert jax.typeof(grad["q_b_proj"]["weight"]).sharding.spec == P("tp", None)
+    assert jax.typeof(grad["o_proj"]["weight"]).sharding.spec == P(None, "tp")
+
+
+def test_deepseek_v4_model_under_default_rules_equals_unsharded():
+    """DeepSeek V4 tiny (sliding, CSA and HCA layers; the CSA top-k selects 8 of 16 entries) on
+    dp=2, cp=2, tp=2 of Auto axes: the compressor's windows cross sequence shards, the grouped
+    output projection splits by head group."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch("deepseek-v4-tiny")
+    f = step(graphdef, "sparse")
+    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2})
+    with jax.set_mesh(mesh):
+        p, shardings, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        got = f(p, rest, *batch)
+    check(got, want)
+    attn = shardings["layers"][1]["self_attn"]
+    assert attn["q_b_proj"]["weight"].spec == P("tp", None)
+    assert attn["o_a_proj"]["weight"].spec == P("tp", None) and attn["sinks"].spec == P("tp")
+
+
+@pytest.mark.parametrize("sizes,mode", [({"dp": 2, "cp": 2, "tp": 2}, "sparse"),
+                                        ({"tp": 4}, "dense")])
+def test_deepseek_v4_model_on_explicit_axes_equals_unsharded(sizes, mode):
+    """V4 tiny on Explicit axes: the compression layout and windows come whole along the
+    sequence, the CSA indexer loss runs per row shard under shard_map, and with tp=4 the two
+    output groups cannot take the head split (the grouped weight comes whole)."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch("deepseek-v4-tiny")
+    f = step(graphdef, mode)
+    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    mesh = make_mesh(sizes, AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        got = f(p, rest, *batch)
+    check(got, want)

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.sharding import DEFAULT_RULES, axis_rules, constrain, current_rules, logical_to_spec
+from jax_dsa.sharding.constraints import explicit_axes, out_spec, typed_spec
 from test_sharding import make_mesh
 
 
@@ -70,3 +71,19 @@ def test_constrain_on_auto_explicit_and_manual_meshes():
     y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))(x)
     np.testing.assert_array_equal(y, x + 1)
     assert jnp.asarray(y).shape == x.shape
+
+
+def test_out_spec_and_explicit_axes():
+    assert out_spec(("dp", "cp"), "tp") == P("dp", "cp", "tp")
+    assert out_spec(("dp", "tp"), "tp") == P("dp", "tp", None)  # tp already used: dropped
+    assert out_spec(("dp",), ("cp", "tp"), "tp") == P("dp", ("cp", "tp"), None)
+    assert out_spec((None,), None) == P(None, None)
+    assert explicit_axes() == frozenset()  # no mesh
+    with jax.set_mesh(make_mesh({"dp": 2, "cp": 2})):
+        assert explicit_axes() == frozenset()
+    mixed = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto),
+                          devices=jax.devices()[:4])
+    with jax.set_mesh(mixed):
+        assert explicit_axes() == frozenset({"dp"})
+        x = jax.device_put(np.ones((4, 6), np.float32), P("dp", None))
+        assert typed_spec(x) == ("dp", None)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dsa.sharding.constraints import explicit_axes, out_spec, typed_spec
+
 # Logical axis names used on parameters (and, in docstrings, on activations).
 LOGICAL_AXES = (
     "batch", "sequence", "embed", "vocab", "heads", "q_lora", "kv_lora", "mlp",
@@ -65,7 +67,12 @@ class Linear(nnx.Module):
             raise ValueError(
                 f"Linear: input's last dim {x.shape[-1]} != in_features {self.in_features}"
             )
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        w = self.weight[...]
+        # Explicit mesh axes: the result keeps x's leading shardings and the weight's output
+        # one (a contraction over a split dim is reduced); Auto axes leave it to the partitioner.
+        sharding = out_spec(typed_spec(x)[:-1], typed_spec(w)[0]) if explicit_axes() else None
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), w.astype(self.dtype),
+                       out_sharding=sharding)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -122,4 +129,8 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, input_ids):
-        return jnp.take(self.weight[...], input_ids, axis=0).astype(self.dtype)
+        w = self.weight[...]
+        if explicit_axes():  # the rows follow the ids' sharding (JAX does not choose one)
+            return w.at[input_ids].get(mode="fill", out_sharding=out_spec(
+                typed_spec(input_ids), None)).astype(self.dtype)
+        return jnp.take(w, input_ids, axis=0).astype(self.dtype)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsa.ops.indexer import visible_mask
+from jax_dsa.sharding.constraints import whole
 
 
 def dense_indices(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None):
@@ -28,6 +29,9 @@ def dense_indices(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=
     Returns:
       ``[..., S_q, S_kv]`` int32 key row ids with ``-1`` for padding. No gradient.
     """
+    # every query row looks at every key: on Explicit axes the key side comes whole along the
+    # sequence (a [S_q, S_kv] mask cannot be split on the same axis twice)
+    kv_positions, kv_segment_ids = whole(kv_positions, -1), whole(kv_segment_ids, -1)
     vis = visible_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     s_kv = vis.shape[-1]
     key = jnp.where(vis, jnp.arange(s_kv, dtype=jnp.int32), s_kv)

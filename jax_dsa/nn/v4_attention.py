@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_dsa.configs_v4 import CSA, SLIDING, DeepseekV4Config
 from jax_dsa.nn.attention import check_positions
@@ -35,6 +36,7 @@ from jax_dsa.nn.v4_rope import apply_rope_tail
 from jax_dsa.nn.v4_slots import assemble, slot_width, window
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.ops.v4_indexer_loss import v4_indexer_kl_loss
+from jax_dsa.sharding.constraints import dividing, explicit_axes, out_spec, typed_spec, whole
 
 ATTENTION_MODES = ("sparse", "dense")
 
@@ -72,8 +74,17 @@ class GroupedLinear(nnx.Module):
                 f"GroupedLinear: input must end in (n_groups, in_per_group) = "
                 f"{(self.n_groups, self.in_per_group)}, got {x.shape}"
             )
-        w = self.weight[...].astype(self.dtype).reshape(self.n_groups, -1, self.in_per_group)
-        return jnp.einsum("...gi,goi->...go", x.astype(self.dtype), w)
+        w = self.weight[...].astype(self.dtype)
+        shape = (self.n_groups, w.shape[0] // self.n_groups, self.in_per_group)
+        if not explicit_axes():
+            return jnp.einsum("...gi,goi->...go", x.astype(self.dtype), w.reshape(shape))
+        # Explicit mesh axes: x and the weight split their groups the same way (the weight's
+        # row split where it divides the groups and x's leading dims do not use it, else none)
+        spec = out_spec(typed_spec(x)[:-2], dividing(typed_spec(w)[0], self.n_groups), None)
+        g = spec[-2]
+        w = jnp.reshape(w if g is not None else whole(w, 0), shape, out_sharding=P(g, None, None))
+        x = jax.sharding.reshard(x.astype(self.dtype), spec)
+        return jnp.einsum("...gi,goi->...go", x, w, out_sharding=spec)
 
 
 class DeepseekV4Attention(nnx.Module):
@@ -201,7 +212,7 @@ class DeepseekV4Attention(nnx.Module):
         else:
             layout = compression_layout(positions, self.compressor.ratio, segment_ids)
             comp = self.compressor(x, layout).astype(q.dtype)
-            kv_all = jnp.concatenate([kv, comp], axis=1)
+            kv_all = jnp.concatenate([whole(kv, 1), comp], axis=1)  # whole on Explicit axes
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 index_qkw = indexer(x, c_q, positions, layout)
@@ -222,7 +233,11 @@ class DeepseekV4Attention(nnx.Module):
             topk_length=lengths, implementation=implementation,
         )
         o = apply_rope_tail(o, cos[:, :, None], -sin[:, :, None])
-        grouped = o.reshape(b, s, c.o_groups, h * d // c.o_groups)
+        sharding = None
+        if explicit_axes():  # the groups take the heads' split where it divides them
+            lead = typed_spec(o)
+            sharding = out_spec(lead[:2], dividing(lead[2], c.o_groups), None)
+        grouped = jnp.reshape(o, (b, s, c.o_groups, h * d // c.o_groups), out_sharding=sharding)
         out = self.o_b_proj(self.o_a_proj(grouped).reshape(b, s, c.o_groups * c.o_lora_rank))
 
         loss = None

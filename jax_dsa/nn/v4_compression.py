@@ -33,6 +33,8 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from jax_dsa.sharding.constraints import whole
+
 # Position given to compressed rows that hold no entry: no query position reaches it.
 NO_ENTRY_POSITION = jnp.iinfo(jnp.int32).max
 
@@ -100,7 +102,8 @@ def compression_layout(positions, ratio: int, segment_ids=None) -> CompressionLa
         raise ValueError(f"compression_layout: ratio must be an int >= 2, got {ratio!r}")
     b, s = positions.shape
     c = s // ratio
-    positions = positions.astype(jnp.int32)
+    # a scan along each row: on Explicit mesh axes the (small) rows come whole
+    positions, segment_ids = whole(positions.astype(jnp.int32), 1), whole(segment_ids, 1)
     is_end = (positions + 1) % ratio == 0
     incl = jnp.cumsum(is_end.astype(jnp.int32), axis=1)
     excl = incl - is_end.astype(jnp.int32)
@@ -146,6 +149,7 @@ def pool(kv, gate, position_bias, layout: CompressionLayout, *, overlap: bool):
         raise ValueError(
             f"pool: position_bias must be [ratio, W] = {(m, w)}, got {position_bias.shape}"
         )
+    kv, gate = whole(kv, 1), whole(gate, 1)  # windows cross sequence shards: gather them
     acc = jnp.promote_types(kv.dtype, jnp.float32)
     bias = position_bias.astype(acc)
     offs = jnp.arange(m, dtype=jnp.int32)

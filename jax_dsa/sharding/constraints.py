@@ -8,6 +8,10 @@
 * no mesh, or inside ``shard_map`` (``Manual`` axes): ``x`` unchanged.
 
 Pattern: MaxText's ``maybe_shard_with_logical`` (hint in auto mode, enforce in explicit mode).
+
+On ``Explicit`` axes JAX also wants the result sharding of a gather, of a contraction over a
+split dim and of some reshapes spelled out; the layers use :func:`explicit_axes`,
+:func:`typed_spec`, :func:`out_spec`, :func:`dividing` and :func:`whole` for that.
 """
 
 from __future__ import annotations
@@ -19,13 +23,68 @@ from jax.sharding import PartitionSpec as P
 from jax_dsa.sharding.rules import logical_to_spec
 
 
+def _axes(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def _only(spec: P, keep) -> P:
     out = []
     for e in spec:
-        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-        axes = tuple(a for a in axes if a in keep)
+        axes = tuple(a for a in _axes(e) if a in keep)
         out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
     return P(*out)
+
+
+def explicit_axes() -> frozenset[str]:
+    """Names of the ``Explicit`` axes of the mesh in context (empty without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return frozenset()
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == AxisType.Explicit)
+
+
+def typed_spec(x) -> tuple:
+    """Per-dim entries of ``x``'s sharding type (``None`` padded to ``x.ndim``)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def dividing(entry, size: int):
+    """``entry`` (one PartitionSpec entry) if its mesh axes' sizes divide ``size``, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 1
+    for a in _axes(entry):
+        n *= mesh.shape[a]
+    return entry if size % n == 0 else None
+
+
+def whole(x, *dims: int):
+    """``x`` resharded so that ``dims`` are not split over ``Explicit`` mesh axes (an
+    all-gather along them); unchanged without Explicit axes or when already whole."""
+    if x is None or not explicit_axes():
+        return x
+    spec = list(typed_spec(x))
+    if all(spec[d] is None for d in dims):
+        return x
+    for d in dims:
+        spec[d] = None
+    return jax.sharding.reshard(x, P(*spec))
+
+
+def out_spec(lead: tuple, *trailing) -> P:
+    """``P(*lead, *trailing)`` with every trailing entry that reuses a mesh axis of ``lead``
+    (or of an earlier trailing entry) dropped to ``None``: the ``out_sharding`` of a gather or
+    a contraction on ``Explicit`` axes, where JAX does not pick one itself."""
+    used = {a for e in lead for a in _axes(e)}
+    out = []
+    for e in trailing:
+        if set(_axes(e)) & used:
+            e = None
+        used |= set(_axes(e))
+        out.append(e)
+    return P(*lead, *out)
 
 
 def constrain(x, logical_axes, rules=None):

@@ -381,9 +381,22 @@ def sparse_mla_backward(bwd_rule):
             "sparse_mla backward", local, (q, kv, indices, sink, lengths, out, lse, dout),
             SPARSE_MLA_BWD_ROLES, SPARSE_MLA_BWD_RESULTS,
         )
-        return dq, dkv, None, dsink, None
+        return _typed_like(dq, q), _typed_like(dkv, kv), None, _typed_like(dsink, sink), None
 
     return wrapped
+
+
+def _typed_like(g, x):
+    """``g`` resharded to ``x``'s sharding type where that type names ``Explicit`` mesh axes: a
+    custom VJP must return each cotangent with its primal's type, and on Explicit axes the
+    sharding is part of the type (e.g. ``d_attn_sink`` comes out split by head from a
+    replicated ``attn_sink``)."""
+    sharding = jax.typeof(x).sharding
+    if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
+        return g
+    if jax.typeof(g).sharding.spec == sharding.spec:
+        return g
+    return jax.sharding.reshard(g, sharding.spec)
 
 
 def _present(args, roles):
