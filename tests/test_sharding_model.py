@@ -39,10 +39,10 @@ def make_mesh(sizes, axis_type=AxisType.Auto):
 
 
 @functools.cache
-def model_and_batch(preset="glm5-tiny"):
+def model_and_batch(preset="glm5-tiny", **overrides):
     """Model pieces and a packed batch; index_topk 8 keeps the top-k selective (32 tokens for
     GLM-5 tiny, 64 for V4 tiny: 16 compressed entries at its CSA ratio 4)."""
-    config = get_config(preset, index_topk=8)
+    config = get_config(preset, index_topk=8, **overrides)
     v4 = preset.startswith("deepseek-v4")
     model = (DeepseekV4LanguageModel if v4 else DSALanguageModel)(config, rngs=nnx.Rngs(0))
     s = 2 * S if v4 else S
@@ -73,7 +73,9 @@ def step(graphdef, mode):
         logits, aux = model(ids, pos, seg, attention_mode=mode)
         by_row = logits
         if explicit_axes():  # optax gathers the target's logit: the vocab comes whole
-            by_row = jax.sharding.reshard(logits, P(*jax.typeof(logits).sharding.spec[:2], None))
+            rows = jax.typeof(logits).sharding.spec[:2]
+            by_row = jax.sharding.reshard(logits, P(*rows, None))
+            targets = jax.sharding.reshard(targets, P(*rows))
         lm = optax.softmax_cross_entropy_with_integer_labels(by_row, targets).mean()
         return lm + aux["indexer_loss"], (logits, lm, aux["indexer_loss"])
 
@@ -160,13 +162,19 @@ def test_zigzag_layout_gives_the_natural_order_back():
     check(((total, (logits, lm, idx_loss)), grads), want)
 
 
-@pytest.mark.parametrize("mode", ["sparse", "dense"])
-def test_model_on_explicit_axes_equals_unsharded(mode):
+@pytest.mark.parametrize("mode,overrides", [
+    ("sparse", ()), ("dense", ()),
+    # MoE on every layer with group-limited routing (2 groups, 1 kept)
+    ("sparse", (("mlp_layer_types", ("sparse", "sparse")), ("n_group", 2), ("topk_group", 1))),
+])
+def test_model_on_explicit_axes_equals_unsharded(mode, overrides):
     """dp=2, cp=2, tp=2 of Explicit axes: the embedding gather, the projections and the dense
     slot list name their output sharding, and the ops' custom VJP returns each cotangent typed
-    like its primal (d_attn_sink comes out of the head-split backward); logits, losses and
-    every gradient equal one device, with the same placement as under Auto axes."""
-    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+    like its primal (d_attn_sink comes out of the head-split backward); the MoE experts run per
+    token shard under shard_map; logits, losses and every gradient equal one device, with the
+    same placement as under Auto axes."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(
+        "glm5-tiny", **dict(overrides))
     f = step(graphdef, mode)
     want = f(params, rest, ids, pos, seg, targets_of(ids))
     mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2}, AxisType.Explicit)
@@ -211,3 +219,18 @@ def test_deepseek_v4_model_on_explicit_axes_equals_unsharded(sizes, mode):
         p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
         got = f(p, rest, *batch)
     check(got, want)
+
+
+def test_explicit_axes_take_any_token_placement():
+    """Token ids placed as the caller likes (replicated, batch on tp, sequence on tp) and the
+    default positions: the models put ids, positions and segment ids where the rules want them,
+    so every placement gives the one-device logits (GLM-5 and V4 tiny, dp=2, tp=2)."""
+    mesh = make_mesh({"dp": 2, "tp": 2}, AxisType.Explicit)
+    for preset in ("glm5-tiny", "deepseek-v4-tiny"):
+        graphdef, params, rest, _, (ids, _, _) = model_and_batch(preset)
+        model = nnx.merge(graphdef, params, rest)
+        want, _ = model(ids)
+        with jax.set_mesh(mesh):
+            for spec in (P(), P("tp", None), P(None, "tp")):
+                got, _ = jax.jit(lambda ids: model(ids))(jax.device_put(ids, spec))
+                assert_close(got, want, what=f"{preset} logits, ids placed {spec}")

@@ -32,6 +32,7 @@ from jax_dsa.nn.slots import dense_indices
 from jax_dsa.ops.indexer import indexer_kl_loss
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.sharding import constrain
+from jax_dsa.sharding.constraints import matching
 
 ATTENTION_MODES = ("sparse", "dense")
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not config.rms_norm_eps
@@ -133,7 +134,7 @@ class DSAAttention(nnx.Module):
         w = self.kv_b_proj.weight[...].astype(self.dtype)
         w = w.reshape(h, nope + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w[:, :nope], w[:, nope:]
-        q_lat = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)
+        q_lat = jnp.einsum("bshn,hnc->bshc", q_nope, matching(w_uk, 0, q_nope, 2))
         q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
         kv = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1).astype(q_abs.dtype)
         return q_abs, kv, w_uv, c_q
@@ -210,7 +211,7 @@ class DSAAttention(nnx.Module):
         o_lat, _ = sparse_mla(
             q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation
         )
-        o = jnp.einsum("bshc,hvc->bshv", o_lat, w_uv)
+        o = jnp.einsum("bshc,hvc->bshv", o_lat, matching(w_uv, 0, o_lat, 2))
         o = o.reshape(b, s, c.num_attention_heads * c.v_head_dim)
         out = self.o_proj(o)
 

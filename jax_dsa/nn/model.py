@@ -45,7 +45,8 @@ def init_decoder(module, config, layer_cls, *, rngs, dtype, param_dtype):
 
 
 def check_lm_inputs(input_ids, positions, segment_ids, attention_mode, modes):
-    """Validates an LM call; returns ``positions, segment_ids`` with their defaults filled in."""
+    """Validates an LM call; returns ``input_ids, positions, segment_ids`` (defaults filled in)
+    placed like the tokens under the logical axis rules."""
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {input_ids.shape}")
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
@@ -53,7 +54,12 @@ def check_lm_inputs(input_ids, positions, segment_ids, attention_mode, modes):
     if attention_mode not in modes:
         raise ValueError(f"attention_mode must be one of {modes}, got {attention_mode!r}")
     b, s = input_ids.shape
-    return check_positions(positions, segment_ids, b, s)
+    positions, segment_ids = check_positions(positions, segment_ids, b, s)
+    # the defaults and a caller's own placement alike: on Explicit mesh axes everything derived
+    # from them must split as the activations do
+    tokens = ("batch", "sequence")
+    return constrain(input_ids, tokens), constrain(positions, tokens), (
+        None if segment_ids is None else constrain(segment_ids, tokens))
 
 
 class DecoderLayer(nnx.Module):
@@ -135,7 +141,7 @@ class DSALanguageModel(nnx.Module):
           TypeError: non-integer ``input_ids``.
         """
         c = self.config
-        positions, segment_ids = check_lm_inputs(
+        input_ids, positions, segment_ids = check_lm_inputs(
             input_ids, positions, segment_ids, attention_mode, ATTENTION_MODES
         )
 

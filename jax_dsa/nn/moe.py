@@ -26,13 +26,17 @@ ever dropped. No load-balancing loss and no update rule for the correction bias 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import param
 from jax_dsa.nn.mlp import MLP
+from jax_dsa.sharding.constraints import explicit_axes, typed_spec
 
 ROUTER_NORM_EPS = 1e-20  # transformers adds this to the sum of the chosen gate values
 
@@ -85,7 +89,7 @@ class TopkRouter(nnx.Module):
             grouped = choice.reshape(t, g, e // g)
             group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
             _, keep = jax.lax.top_k(group_scores, c.topk_group)
-            group_mask = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], keep].set(True)
+            group_mask = jnp.any(jnp.arange(g)[:, None] == keep[:, None, :], axis=-1)  # [T, G]
             expert_mask = jnp.repeat(group_mask, e // g, axis=1)
             choice = jnp.where(expert_mask, choice, -jnp.inf)
         _, idx = jax.lax.top_k(choice, c.num_experts_per_tok)
@@ -116,21 +120,43 @@ class Experts(nnx.Module):
     def __call__(self, x, topk_weights, topk_indices):
         """``x [T, hidden]``, ``topk_weights``/``topk_indices [T, k]`` -> ``[T, hidden]`` (compute
         dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``."""
-        t, k = topk_indices.shape
-        e = self.config.n_routed_experts
-        flat = topk_indices.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        token = order // k
-        group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-        xs = x.astype(self.dtype)[token]
-        w_gate = jnp.swapaxes(self.gate_proj[...].astype(self.dtype), 1, 2)  # [E, H, I]
-        w_up = jnp.swapaxes(self.up_proj[...].astype(self.dtype), 1, 2)
-        w_down = jnp.swapaxes(self.down_proj[...].astype(self.dtype), 1, 2)  # [E, I, H]
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-        h = h * jax.lax.ragged_dot(xs, w_up, group_sizes)
-        y = jax.lax.ragged_dot(h, w_down, group_sizes)
-        y = y * topk_weights.reshape(-1)[order][:, None].astype(y.dtype)
-        return jnp.zeros((t, x.shape[-1]), y.dtype).at[token].add(y)
+        weights = tuple(p[...].astype(self.dtype) for p in
+                        (self.gate_proj, self.up_proj, self.down_proj))
+        mix = functools.partial(_mix, n_experts=self.config.n_routed_experts)
+        if not explicit_axes():
+            return mix(x.astype(self.dtype), topk_weights, topk_indices, *weights)
+        # Explicit mesh axes: each token shard routes its own tokens through every expert (the
+        # sort and bincount run on local tokens); a split of the experts' inner dim is summed.
+        tok = typed_spec(x)[0]
+        inner = typed_spec(weights[0])[1]
+        specs = (P(tok, None),) * 3 + (P(None, inner, None),) * 2 + (P(None, None, inner),)
+        args = tuple(jax.sharding.reshard(a, sp) for a, sp in
+                     zip((x.astype(self.dtype), topk_weights, topk_indices, *weights), specs))
+
+        def local(*a):
+            y = mix(*a)
+            return y if inner is None else jax.lax.psum(y, inner)
+
+        return jax.shard_map(local, in_specs=specs, out_specs=P(tok, None), check_vma=False)(
+            *args)
+
+
+def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_experts):
+    """The routed experts on one set of tokens (weights in the PyTorch ``[E, out, in]`` layout)."""
+    t, k = topk_indices.shape
+    flat = topk_indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    xs = x[token]
+    w_gate = jnp.swapaxes(gate_proj, 1, 2)  # [E, H, I]
+    w_up = jnp.swapaxes(up_proj, 1, 2)
+    w_down = jnp.swapaxes(down_proj, 1, 2)  # [E, I, H]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
+    h = h * jax.lax.ragged_dot(xs, w_up, group_sizes)
+    y = jax.lax.ragged_dot(h, w_down, group_sizes)
+    y = y * topk_weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((t, x.shape[-1]), y.dtype).at[token].add(y)
 
 
 class MoE(nnx.Module):

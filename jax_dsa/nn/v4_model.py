@@ -17,6 +17,7 @@ from jax_dsa.nn.layers import RMSNorm
 from jax_dsa.nn.mlp import MLP
 from jax_dsa.nn.model import check_lm_inputs, init_decoder
 from jax_dsa.nn.v4_attention import ATTENTION_MODES, DeepseekV4Attention
+from jax_dsa.sharding import constrain
 
 
 class DeepseekV4DecoderLayer(nnx.Module):
@@ -100,21 +101,23 @@ class DeepseekV4LanguageModel(nnx.Module):
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
           TypeError: non-integer ``input_ids``.
         """
-        positions, segment_ids = check_lm_inputs(
+        input_ids, positions, segment_ids = check_lm_inputs(
             input_ids, positions, segment_ids, attention_mode, ATTENTION_MODES
         )
-        x = self.embed_tokens(input_ids)
+        x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
         losses, all_indices, all_lengths = [], [], []
         for layer in self.layers:
             x, aux = layer(
                 x, positions, segment_ids, attention_mode=attention_mode,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,
             )
+            x = constrain(x, ("batch", "sequence", "embed"))
             if aux["indexer_loss"] is not None:
                 losses.append(aux["indexer_loss"])
             all_indices.append(aux["indices"])
             all_lengths.append(aux["topk_length"])
-        logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+        logits = constrain(self.lm_head(self.norm(x)).astype(jnp.float32),
+                           ("batch", "sequence", "vocab"))
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
         out_aux = {"indexer_loss": indexer_loss}
         if return_indices:

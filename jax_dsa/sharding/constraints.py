@@ -11,7 +11,8 @@ Pattern: MaxText's ``maybe_shard_with_logical`` (hint in auto mode, enforce in e
 
 On ``Explicit`` axes JAX also wants the result sharding of a gather, of a contraction over a
 split dim and of some reshapes spelled out; the layers use :func:`explicit_axes`,
-:func:`typed_spec`, :func:`out_spec`, :func:`dividing` and :func:`whole` for that.
+:func:`typed_spec`, :func:`out_spec`, :func:`dividing`, :func:`whole` and :func:`matching` for
+that.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def whole(x, *dims: int):
         return x
     for d in dims:
         spec[d] = None
+    return jax.sharding.reshard(x, P(*spec))
+
+
+def matching(x, dim: int, ref, ref_dim: int):
+    """``x`` resharded so that its ``dim`` splits like ``ref``'s ``ref_dim`` (on ``Explicit``
+    axes, where a contraction's batch dims must agree); unchanged otherwise."""
+    if not explicit_axes():
+        return x
+    spec, want = list(typed_spec(x)), typed_spec(ref)[ref_dim]
+    if spec[dim] == want:
+        return x
+    spec[dim] = want
     return jax.sharding.reshard(x, P(*spec))
 
 
