@@ -76,9 +76,9 @@ def main():
             print(json.dumps(r), flush=True)
             rows.append(r)
     if a.out:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-        commit = a.commit or head or "unknown"
+        commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                            capture_output=True, text=True).stdout.strip()
+        commit = commit or "unknown"
         with open(a.out, "w") as f:
             json.dump({"benchmark": "sparse_mla fwd+bwd under jax.jit",
                        "date": datetime.date.today().isoformat(),

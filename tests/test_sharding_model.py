@@ -209,7 +209,8 @@ def test_deepseek_v4_model_under_default_rules_equals_unsharded():
                                         ({"tp": 4}, "dense")])
 def test_deepseek_v4_model_on_explicit_axes_equals_unsharded(sizes, mode):
     """V4 tiny on Explicit axes: the compression layout and windows come whole along the
-    sequence, the CSA indexer loss runs per row shard under shard_map, and with tp=4 the two
+    sequence, the CSA indexer loss is split like V3.2's (its d index_k typed like index_k,
+    which comes whole), and with tp=4 the two
     output groups cannot take the head split (the grouped weight comes whole)."""
     graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch("deepseek-v4-tiny")
     f = step(graphdef, mode)

@@ -22,9 +22,10 @@ log space, so a compressed mass that underflows float32 does not zero the target
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jax_dsa.ops.indexer import (
     _acc_dtype,
@@ -34,7 +35,7 @@ from jax_dsa.ops.indexer import (
     _masked_log_softmax,
     block_support_and_logits,
 )
-from jax_dsa.sharding.constraints import explicit_axes, typed_spec
+from jax_dsa.sharding import partition
 
 
 def v4_indexer_kl_loss(
@@ -123,7 +124,7 @@ def v4_indexer_kl_loss(
     lse3 = lse.reshape((nb, s_q, h))
     idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
 
-    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx):
+    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, layout=partition.Layout()):
         row_ok = jnp.ones((iq.shape[0],), jnp.bool_)
 
         def block(xs):
@@ -134,7 +135,7 @@ def v4_indexer_kl_loss(
             log_pi = _masked_log_softmax(score, support)
             # Per-head probabilities under the full denominator, summed over heads in log space.
             log_ph = jnp.where(support[:, None, :], logits - lb[:, :, None], -jnp.inf)
-            log_t = jax.nn.logsumexp(log_ph, axis=1)
+            log_t = partition.head_logsumexp(log_ph, 1, layout)  # over every head shard
             log_p = _masked_log_softmax(jnp.where(support, log_t, 0), support)
             p = jnp.where(support, jnp.exp(log_p), 0)
             kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
@@ -145,43 +146,11 @@ def v4_indexer_kl_loss(
         kl, count = jax.lax.map(jax.checkpoint(block), xs)
         return jnp.sum(kl), jnp.sum(count)
 
-    def rows(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx):
-        kl, count = jax.vmap(one)(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx)
-        return jnp.sum(kl), jnp.sum(count)
-
-    operands = (*args, q3, kv3, lse3, idx3)
-    if explicit_axes():
-        kl, count = _split_by_rows(rows, operands)
-    else:
-        kl, count = rows(*operands)
+    kl, count = partition.v4_indexer_kl_loss(  # vmap(one), split over the mesh in context
+        lambda layout: functools.partial(one, layout=layout), *args, q3, kv3, lse3, idx3
+    )
+    kl, count = jnp.sum(kl), jnp.sum(count)
     return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
-
-
-# Operands of ``rows``: True for those with a query-row dim (split like q's rows), False for the
-# key side (whole past the batch dim).
-_ROW_OPERANDS = (True, False, True, True, False, True, False, True, False, True, True)
-
-
-def _split_by_rows(rows, operands):
-    """On Explicit mesh axes: ``rows`` under ``shard_map`` with each shard's query rows local,
-    the key side and the heads whole, and the KL sums and row counts added over the shards."""
-    q = operands[7]  # [NB, S_q, H, D]
-    spec = typed_spec(q)
-    batch_axes, row_axes = spec[0], spec[1]
-    in_specs = tuple(
-        None if x is None else P(batch_axes, row_axes if by_row else None)
-        for x, by_row in zip(operands, _ROW_OPERANDS))
-    operands = tuple(
-        x if x is None else jax.sharding.reshard(x, s) for x, s in zip(operands, in_specs))
-    axes = tuple(a for e in (batch_axes, row_axes) if e is not None
-                 for a in ((e,) if isinstance(e, str) else e))
-
-    def body(*local):
-        kl, count = rows(*local)
-        return jax.lax.psum(kl, axes), jax.lax.psum(count, axes)
-
-    return jax.shard_map(body, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(
-        *operands)
 
 
 __all__ = ["v4_indexer_kl_loss"]

@@ -437,7 +437,7 @@ KL_GRAD_RESULTS = (Result("bs.."), Result("bT."), Result("bs."))  # d index_q, i
 
 
 def indexer_kl_loss(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q, kv,
-                    indices):
+                    indices, roles=KL_ROLES):
     """Partitioned, differentiable ``jax.vmap(one(layout))(...)`` of the indexer KL loss.
 
     ``one(layout)`` returns the per-batch-element function ``(index_q, index_k, index_weights,
@@ -446,7 +446,20 @@ def indexer_kl_loss(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, 
     Returns ``(kl_sum [NB], row_count [NB])``. Gradients reach ``index_q``, ``index_k`` and
     ``index_weights`` only (``q`` and ``kv`` are the detached target).
     """
-    return _kl(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q, kv, indices)
+    return _kl(one, roles, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q, kv,
+               indices)
+
+
+# DeepSeek V4's loss adds the main attention's log denominator attention_lse [NB, S_q, H]
+# (split by head, like q) before the slots.
+V4_KL_ROLES = KL_ROLES[:-1] + ("bsh", "bs.")
+
+
+def v4_indexer_kl_loss(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q,
+                       kv, attention_lse, indices):
+    """:func:`indexer_kl_loss` for DeepSeek V4's loss (``one`` also takes ``attention_lse``)."""
+    return _kl(one, V4_KL_ROLES, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg,
+               q, kv, attention_lse, indices)
 
 
 def _kl_local(one, keep, n):
@@ -456,19 +469,19 @@ def _kl_local(one, keep, n):
     return local
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kl(one, *args):
-    flat, roles, keep, n = _present(args, KL_ROLES)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kl(one, all_roles, *args):
+    flat, roles, keep, n = _present(args, all_roles)
     return partitioned_call("indexer_kl_loss", _kl_local(one, keep, n), flat, roles, KL_RESULTS)
 
 
-def _kl_fwd(one, *args):
-    return _kl(one, *args), args
+def _kl_fwd(one, all_roles, *args):
+    return _kl(one, all_roles, *args), args
 
 
-def _kl_bwd(one, args, cotangents):
+def _kl_bwd(one, all_roles, args, cotangents):
     g = cotangents[0]
-    flat, roles, keep, n = _present(args, KL_ROLES)
+    flat, roles, keep, n = _present(args, all_roles)
 
     def local(layout, g, iq, ik, iw, *rest):
         f = _kl_local(one, keep, n)
@@ -482,7 +495,8 @@ def _kl_bwd(one, args, cotangents):
     grads = partitioned_call(
         "indexer_kl_loss backward", local, (g,) + flat, ("b",) + roles, KL_GRAD_RESULTS
     )
-    return tuple(grads) + (None,) * (len(args) - 3)
+    grads = tuple(_typed_like(gr, x) for gr, x in zip(grads, args))
+    return grads + (None,) * (len(args) - 3)
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)
