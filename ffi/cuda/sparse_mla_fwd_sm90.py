@@ -33,10 +33,11 @@ more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as
 are done: the owner's V half after its own P V, the other half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
-finish; the next tile's Q and row ids are prefetched into L2 when a tile starts; the output
-leaves through shared memory (stage 1, which the producer refills only after mbarrier o_free) as
-one 512-byte bulk copy per row half. L2 eviction policies keep the kv rows (reused by many
-queries) and let q and out stream through.
+finish; the next tile's Q and row ids are prefetched into L2 when a tile starts. Both WGs
+stage the output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the
+output with 16-byte stores once the next Q has landed, then hands stage 1 back to the producer
+(mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q
+and out stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
 (Dao-AILab/flash-attention, flash_attn/cute).
@@ -105,15 +106,16 @@ def _l2_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
-def _bulk_store(gmem_addr: Int64, smem_addr: Int32, nbytes: Int32, policy: Int64, *, loc=None,
-                ip=None):
-    """Bulk copy (async proxy) of nbytes contiguous bytes from shared to global memory."""
+def _copy_16_to_global(gmem_addr: Int64, smem_addr: Int32, policy: Int64, *, loc=None, ip=None):
+    """16 bytes from shared to global memory through registers (ld.shared + st.global, with an
+    L2 eviction policy); the store is not waited for."""
     llvm.inline_asm(
         None,
         [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(smem_addr).ir_value(loc=loc, ip=ip),
-         Int32(nbytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [$0], [$1], $2, $3;",
-        "l,r,r,l", has_side_effects=True, is_align_stack=False,
+         Int64(policy).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a, b, c, d;\n\tld.shared.v4.b32 {a, b, c, d}, [$1];\n\t"
+        "st.global.L2::cache_hint.v4.b32 [$0], {a, b, c, d}, $2;\n\t}",
+        "l,r,l", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -126,14 +128,6 @@ def _prefetch_l2(gmem_addr: Int64, nbytes: Int32, *, loc=None, ip=None):
         "cp.async.bulk.prefetch.L2.global [$0], $1;",
         "l,r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _bulk_commit_and_wait_read(*, loc=None, ip=None):
-    """Commit this thread's bulk copies and wait until their shared-memory source was read."""
-    llvm.inline_asm(None, [], "cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;",
-                    "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -227,7 +221,8 @@ class SparseMlaFwdSm90:
             empty_rest: cute.struct.MemRange[cutlass.Int64, STAGES]
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
-            o_free: cute.struct.MemRange[cutlass.Int64, 1]
+            o_full: cute.struct.MemRange[cutlass.Int64, 1]  # a tile's output is staged
+            o_empty: cute.struct.MemRange[cutlass.Int64, 1]  # ... and copied out of stage 1
             ready: cute.struct.MemRange[cutlass.Int64, 2]  # WG w published M and P of a block
             row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * TILE_M], 16]
@@ -283,7 +278,8 @@ class SparseMlaFwdSm90:
         empty_rest = st.empty_rest.data_ptr()
         q_full = st.q_full.data_ptr()
         q_empty = st.q_empty.data_ptr()
-        o_free = st.o_free.data_ptr()
+        o_full = st.o_full.data_ptr()
+        o_empty = st.o_empty.data_ptr()
         ready = st.ready.data_ptr()
         if tidx == 0:
             for i in cutlass.range_constexpr(STAGES):
@@ -294,7 +290,8 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_init(empty_rest + i, 128)
             cute.arch.mbarrier_init(q_full, 128)
             cute.arch.mbarrier_init(q_empty, 256)  # every consumer thread
-            cute.arch.mbarrier_init(o_free, 256)
+            cute.arch.mbarrier_init(o_full, 256)
+            cute.arch.mbarrier_init(o_empty, 128)
             cute.arch.mbarrier_init(ready, 128)
             cute.arch.mbarrier_init(ready + 1, 128)
         cute.arch.mbarrier_init_fence()
@@ -384,7 +381,7 @@ class SparseMlaFwdSm90:
                             if const_expr(stage == 1):
                                 if ti > 0 and bp == 0:
                                     # the previous tile's output has left stage 1
-                                    cute.arch.mbarrier_wait(o_free, (ti - 1) % 2)
+                                    cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
                             # part 1: the owner's V half (and the slot validity)
                             for i in cutlass.range_constexpr(TILE_N // 16):
                                 row = r_in + 16 * i
@@ -415,8 +412,8 @@ class SparseMlaFwdSm90:
                                         src[i] + col * 2, nbytes[i], keep)
                             cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
                 if ti > 0 and n_blk < 2:
-                    # no block of this tile went to stage 1: still wait for every o_free phase
-                    cute.arch.mbarrier_wait(o_free, (ti - 1) % 2)
+                    # no block of this tile went to stage 1: still wait for every o_empty phase
+                    cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
                 uses[0] = uses[0] + (n_blk + 1) // 2
                 uses[1] = uses[1] + n_blk // 2
             cute.arch.cp_async_commit_group()
@@ -432,7 +429,8 @@ class SparseMlaFwdSm90:
                                    mLse, mMax, mma_s, mma_rs, sQ, sK, sV, p_base, sValid,
                                    sAllValid, st.row_max.data_ptr(), st.row_sum.data_ptr(),
                                    st.true_max.data_ptr(), full_own,
-                                   full_rest, empty_own, empty_rest, q_full, q_empty, o_free,
+                                   full_rest, empty_own, empty_rest, q_full, q_empty, o_full,
+                                   o_empty,
                                    ready)
 
     @staticmethod
@@ -475,7 +473,8 @@ class SparseMlaFwdSm90:
                   mLse: cute.Tensor, mMax: cute.Tensor, mma_s: cute.TiledMma,
                   mma_rs: cute.TiledMma, sQ, sK, sV, p_base, sValid: cute.Tensor,
                   sAllValid: cute.Tensor, row_max_ptr, row_sum_ptr, true_max_ptr, full_own,
-                  full_rest, empty_own, empty_rest, q_full, q_empty, o_free, ready):
+                  full_rest, empty_own, empty_rest, q_full, q_empty, o_full, o_empty,
+                  ready):
         d = self.d
         h = self.h
         o = 1 - w  # the other consumer warpgroup (and the stage of its blocks)
@@ -536,6 +535,10 @@ class SparseMlaFwdSm90:
             l_sum.fill(0.0)
             m_true.fill(-math.inf)
             cute.arch.mbarrier_wait(q_full, ti % 2)
+            if const_expr(w == 1):
+                if ti > 0:
+                    # the previous tile's output, once this tile's Q is in (see _store_out)
+                    self._store_out(mOut, t - n_ctas, ti - 1, wtid, o_full, o_empty, o_smem)
             if n_own == 0 and lane == 0:
                 # no S of this WG reads the Q room (one arrival per warp: a uniform branch
                 # here makes ptxas serialize the wgmma)
@@ -563,21 +566,51 @@ class SparseMlaFwdSm90:
                 self._other_block(st, (uses[o] + (n_blk - 1) // 2) % 2)
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(empty_rest + o)
-            self._epilogue(st, ti % 2, s, h0, sm_scale, mSink, mOut, mLse, mMax, o_smem,
-                           sSum, sTrue, thr_rs, o_free)
+            self._epilogue(st, ti, s, h0, sm_scale, mSink, mLse, mMax, o_smem, sSum, sTrue,
+                           thr_rs, o_full, o_empty)
             uses[0] = uses[0] + (n_blk + 1) // 2
             uses[1] = uses[1] + n_blk // 2
+        if const_expr(w == 1):
+            if bidx < n_tiles:
+                t_last = bidx + (n_tiles - 1 - bidx) // n_ctas * n_ctas
+                self._store_out(mOut, t_last, (t_last - bidx) // n_ctas, wtid, o_full, o_empty,
+                                o_smem)
 
     @cute.jit
-    def _epilogue(self, st, par: Int32, s: Int32, h0: Int32, sm_scale: Float32,
-                  mSink: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor,
-                  o_smem, sSum: cute.Tensor, sTrue: cute.Tensor, thr_rs, o_free):
-        """Row sums across both WGs, lse / max_logits, and this WG's half of the output."""
+    def _store_out(self, mOut: cute.Tensor, t: Int32, ti: Int32, wtid: Int32, o_full, o_empty,
+                   o_smem):
+        """WG1 copies tile t's staged output (the CTA's tile number ti) from stage 1 to global
+        memory: warp k takes row halves k, k + 4, ..., one 512-byte row half per instruction.
+        The stores are not waited for; stage 1 is the producer's again once they have read it.
+
+        WG1 does this once the next tile's Q has landed: the SM's loads and stores share one
+        port (~32 B/clk, benchmarks/NOTES.md), so the next tile's Q and block 0 go first, and
+        WG1 would wait for block 1 (which goes into stage 1) anyway."""
+        h = self.h
+        cute.arch.mbarrier_wait(o_full, ti % 2)
+        s = t // (h // TILE_M)
+        h0 = (t % (h // TILE_M)) * TILE_M
+        lane = wtid % 32
+        policy = _l2_policy(False)
+        out_row0 = mOut.iterator.toint() + (Int64(s) * h + h0) * (D_V * 2)
+        for i in cutlass.range(2 * TILE_M // 4, unroll=8):
+            rh = wtid // 32 + 4 * i  # row half: WG rh // 64's columns of row rh % 64
+            g = out_row0 + ((rh % TILE_M) * D_V + (rh // TILE_M) * HALF) * 2
+            _copy_16_to_global(g + lane * 16, (o_smem + rh * O_ROW).toint() + lane * 16, policy)
+        cute.arch.mbarrier_arrive(o_empty)
+
+    @cute.jit
+    def _epilogue(self, st, ti: Int32, s: Int32, h0: Int32, sm_scale: Float32,
+                  mSink: cute.Tensor, mLse: cute.Tensor, mMax: cute.Tensor, o_smem,
+                  sSum: cute.Tensor, sTrue: cute.Tensor, thr_rs, o_full, o_empty):
+        """Row sums across both WGs, lse / max_logits, and this WG's half of the output,
+        staged in shared memory for WG1 to store (see _store_out)."""
         (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
          n_own, q_empty) = st
         h = self.h
+        par = ti % 2
         wtid = cute.arch.thread_idx()[0] % 128
         for r in cutlass.range_constexpr(2):
             l = l_sum[r]
@@ -608,23 +641,14 @@ class SparseMlaFwdSm90:
         rO = cute.make_rmem_tensor_like(acc_o, BFloat16)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             rO[i] = (acc_o[i] * factor[(i // 2) % 2]).to(BFloat16)
-        # O goes through shared memory (stage 1: every block of the tile is done; the
-        # producer waits for o_free before refilling it) and leaves as one 512-byte bulk copy
-        # per row, instead of scattered stores from the fragment.
+        # O is staged in stage 1 (every block of the tile is done) once WG1 has copied the
+        # previous tile's output out of it; WG1 stores this one when the next tile starts.
+        if ti > 0:
+            cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
         sO = cute.make_tensor(o_smem + w * TILE_M * O_ROW,
                               cute.make_layout((TILE_M, HALF), stride=(O_ROW, 1)))
         cute.autovec_copy(rO, thr_rs.partition_C(sO))
-        cute.arch.fence_view_async_shared()
-        # warp k of the WG holds rows 16 k .. 16 k + 15 of the fragment: it copies those
-        cute.arch.sync_warp()
-        if lane < 16:
-            row = (wtid // 32) * 16 + lane
-            g_row = mOut.iterator.toint() + ((Int64(s) * h + h0 + row) * D_V + w * HALF) * 2
-            _bulk_store(g_row, (o_smem + (w * TILE_M + row) * O_ROW).toint(),
-                        Int32(HALF * 2), _l2_policy(False))
-            _bulk_commit_and_wait_read()
-        cute.arch.sync_warp()
-        cute.arch.mbarrier_arrive(o_free)  # stage 1 is the producer's again
+        cute.arch.mbarrier_arrive(o_full)
 
     @cute.jit
     def _own_block(self, st, it: Int32, has_other: cutlass.Constexpr[bool]):
