@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dsa.configs import get_config
 from jax_dsa.nn import DSALanguageModel
 from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
-from jax_dsa.sharding import from_zigzag, logical_to_spec, to_zigzag
+from jax_dsa.sharding import DEFAULT_RULES, axis_rules, from_zigzag, logical_to_spec, to_zigzag
 from jax_dsa.sharding.constraints import explicit_axes
 from test_sharding import assert_close, collectives
 
@@ -235,3 +235,26 @@ def test_explicit_axes_take_any_token_placement():
             for spec in (P(), P("tp", None), P(None, "tp")):
                 got, _ = jax.jit(lambda ids: model(ids))(jax.device_put(ids, spec))
                 assert_close(got, want, what=f"{preset} logits, ids placed {spec}")
+
+
+def test_heads_axis_that_does_not_divide_the_head_count():
+    """tp = 8 over 4 heads: the fused q projection (4 heads x 48) would split where the heads
+    cannot, so the layers raise at trace time, naming the count, the mesh axes and the rule
+    (GLM-5 on Auto axes, V4 on Explicit ones); with ``heads`` mapped to None the same mesh
+    runs and equals one device."""
+    for preset, kind in (("glm5-tiny", AxisType.Auto), ("deepseek-v4-tiny", AxisType.Explicit)):
+        graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(preset)
+        mesh = make_mesh({"tp": 8}, kind)
+        with jax.set_mesh(mesh):
+            p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+            with pytest.raises(ValueError, match=r"num_attention_heads = 4 does not split over "
+                               r"mesh axes \('tp',\) \(size 8\).*'heads'"):
+                step.__wrapped__(graphdef, "sparse")(p, rest, *batch)  # a fresh trace
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+    want = step(graphdef, "sparse")(params, rest, ids, pos, seg, targets_of(ids))
+    rules = tuple((name, None if name == "heads" else axis) for name, axis in DEFAULT_RULES)
+    mesh = make_mesh({"tp": 8}, AxisType.Explicit)
+    with jax.set_mesh(mesh), axis_rules(rules):
+        p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        got = step.__wrapped__(graphdef, "sparse")(p, rest, *batch)
+    check(got, want)

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.sharding import DEFAULT_RULES, axis_rules, constrain, current_rules, logical_to_spec
-from jax_dsa.sharding.constraints import explicit_axes, out_spec, typed_spec
+from jax_dsa.sharding.constraints import check_split, explicit_axes, out_spec, typed_spec
 from test_sharding import make_mesh
 
 
@@ -87,3 +87,23 @@ def test_out_spec_and_explicit_axes():
         assert explicit_axes() == frozenset({"dp"})
         x = jax.device_put(np.ones((4, 6), np.float32), P("dp", None))
         assert typed_spec(x) == ("dp", None)
+
+
+def test_check_split_names_the_count_the_axes_and_the_rule():
+    check_split(3, "heads", "num_attention_heads")  # no mesh: nothing to check
+    with jax.set_mesh(make_mesh({"dp": 2, "tp": 4})):
+        check_split(8, "heads", "num_attention_heads")
+        check_split(3, "index_heads", "index_n_heads")  # mapped to None by default
+        with pytest.raises(ValueError, match=r"num_attention_heads = 6 does not split over mesh "
+                           r"axes \('tp',\) \(size 4\).*map 'heads' to None"):
+            check_split(6, "heads", "num_attention_heads")
+        with axis_rules((("index_heads", ("dp", "tp")),)):
+            with pytest.raises(ValueError, match=r"index_n_heads = 4 .*\('dp', 'tp'\) \(size 8\)"):
+                check_split(4, "index_heads", "index_n_heads")
+
+    def body(x):  # inside shard_map the heads are already local: Manual axes are not checked
+        check_split(6, "heads", "num_attention_heads")
+        return x
+
+    mesh = make_mesh({"tp": 4})
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(np.zeros(8))

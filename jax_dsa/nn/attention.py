@@ -32,7 +32,7 @@ from jax_dsa.nn.slots import dense_indices
 from jax_dsa.ops.indexer import indexer_kl_loss
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.sharding import constrain
-from jax_dsa.sharding.constraints import matching
+from jax_dsa.sharding.constraints import check_split, matching
 
 ATTENTION_MODES = ("sparse", "dense")
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not config.rms_norm_eps
@@ -183,6 +183,7 @@ class DSAAttention(nnx.Module):
             )
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be [B, S, hidden_size={c.hidden_size}], got shape {x.shape}")
+        check_split(c.num_attention_heads, "heads", "num_attention_heads")
         b, s = x.shape[:2]
         positions, segment_ids = check_positions(positions, segment_ids, b, s)
         if indices is not None and (indices.ndim != 3 or indices.shape[:2] != (b, s)):

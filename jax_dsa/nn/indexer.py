@@ -29,6 +29,7 @@ from jax_dsa.nn.layers import LayerNorm, Linear
 from jax_dsa.nn.rope import apply_rope
 from jax_dsa.ops.indexer import indexer_topk
 from jax_dsa.sharding import constrain
+from jax_dsa.sharding.constraints import check_split
 
 K_NORM_EPS = 1e-6
 
@@ -78,6 +79,7 @@ class Indexer(nnx.Module):
           compute dtype, ``weights [B, S, index_n_heads]`` float32 with the scale folded in.
         """
         c = self.config
+        check_split(c.index_n_heads, "index_heads", "index_n_heads")
         x = jax.lax.stop_gradient(x)
         c_q = jax.lax.stop_gradient(c_q)
         b, s = x.shape[:2]

@@ -36,7 +36,9 @@ from jax_dsa.nn.v4_rope import apply_rope_tail
 from jax_dsa.nn.v4_slots import assemble, slot_width, window
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.ops.v4_indexer_loss import v4_indexer_kl_loss
-from jax_dsa.sharding.constraints import dividing, explicit_axes, out_spec, typed_spec, whole
+from jax_dsa.sharding.constraints import (
+    check_split, dividing, explicit_axes, out_spec, typed_spec, whole,
+)
 
 ATTENTION_MODES = ("sparse", "dense")
 
@@ -191,6 +193,7 @@ class DeepseekV4Attention(nnx.Module):
             )
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must be [B, S, hidden_size={c.hidden_size}], got shape {x.shape}")
+        check_split(c.num_attention_heads, "heads", "num_attention_heads")
         b, s = x.shape[:2]
         positions, segment_ids = check_positions(positions, segment_ids, b, s)
         h, d, r = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim

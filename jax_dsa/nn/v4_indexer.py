@@ -31,6 +31,7 @@ from jax_dsa.nn.rope import rope_cos_sin
 from jax_dsa.nn.v4_compression import CompressionLayout, pool, query_segments
 from jax_dsa.nn.v4_rope import apply_rope_tail
 from jax_dsa.ops.indexer import indexer_topk
+from jax_dsa.sharding.constraints import check_split
 
 
 class V4IndexerScorer(nnx.Module):
@@ -92,6 +93,7 @@ class V4Indexer(nnx.Module):
           with the scale folded in.
         """
         c = self.config
+        check_split(c.index_n_heads, "index_heads", "index_n_heads")
         x = jax.lax.stop_gradient(x)
         c_q = jax.lax.stop_gradient(c_q)
         b, s = x.shape[:2]

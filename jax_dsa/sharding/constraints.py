@@ -46,6 +46,32 @@ def explicit_axes() -> frozenset[str]:
                      if t == AxisType.Explicit)
 
 
+def check_split(count: int, logical: str, what: str) -> None:
+    """Checks that the mesh axes the rules map ``logical`` to divide ``count`` (``Auto`` and
+    ``Explicit`` axes of the mesh in context; nothing to check without one).
+
+    The layers fuse such a count with another dim in their weights (``heads`` x ``head_dim``),
+    so the lookup's skip rule cannot see that the count itself does not split.
+
+    Raises:
+      ValueError: naming ``what``, the mesh axes and the rule to change.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    axes = tuple(a for a in _axes(logical_to_spec((logical,), mesh=mesh)[0])
+                 if kinds[a] != AxisType.Manual)
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    if count % n:
+        raise ValueError(
+            f"{what} = {count} does not split over mesh axes {axes} (size {n}), which the "
+            f"logical-axis rules map {logical!r} to: use a mesh whose {axes} size divides "
+            f"{what}, or map {logical!r} to None (jax_dsa.sharding.axis_rules)")
+
+
 def typed_spec(x) -> tuple:
     """Per-dim entries of ``x``'s sharding type (``None`` padded to ``x.ndim``)."""
     spec = tuple(jax.typeof(x).sharding.spec)
