@@ -609,9 +609,7 @@ class SparseMlaFwdSm90:
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
          n_own, q_empty) = st
-        h = self.h
         par = ti % 2
-        wtid = cute.arch.thread_idx()[0] % 128
         for r in cutlass.range_constexpr(2):
             l = l_sum[r]
             l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
