@@ -241,7 +241,8 @@ def test_heads_axis_that_does_not_divide_the_head_count():
     """tp = 8 over 4 heads: the fused q projection (4 heads x 48) would split where the heads
     cannot, so the layers raise at trace time, naming the count, the mesh axes and the rule
     (GLM-5 on Auto axes, V4 on Explicit ones); with ``heads`` mapped to None the same mesh
-    runs and equals one device."""
+    runs and equals one device. GLM-5's indexer heads over tp = 8 run on Auto axes (as they did
+    before the check) and raise on Explicit ones."""
     for preset, kind in (("glm5-tiny", AxisType.Auto), ("deepseek-v4-tiny", AxisType.Explicit)):
         graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(preset)
         mesh = make_mesh({"tp": 8}, kind)
@@ -258,3 +259,16 @@ def test_heads_axis_that_does_not_divide_the_head_count():
         p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
         got = step.__wrapped__(graphdef, "sparse")(p, rest, *batch)
     check(got, want)
+    # GLM-5's indexer heads (4) over tp=8 on Auto axes: the partitioner reshards the fused
+    # projection itself, so that runs (and equals one device); on Explicit axes it raises.
+    rules = tuple((name, {"heads": None, "index_heads": "tp"}.get(name, axis))
+                  for name, axis in DEFAULT_RULES)
+    auto = make_mesh({"tp": 8})
+    with jax.set_mesh(auto), axis_rules(rules):
+        p, _, batch = place(auto, params, logical, (ids, pos, seg, targets_of(ids)))
+        got = step.__wrapped__(graphdef, "sparse")(p, rest, *batch)
+    check(got, want)
+    with jax.set_mesh(mesh), axis_rules(rules):
+        p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
+        with pytest.raises(ValueError, match="index_n_heads = 4 does not split"):
+            step.__wrapped__(graphdef, "sparse")(p, rest, *batch)

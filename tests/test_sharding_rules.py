@@ -101,9 +101,17 @@ def test_check_split_names_the_count_the_axes_and_the_rule():
             with pytest.raises(ValueError, match=r"index_n_heads = 4 .*\('dp', 'tp'\) \(size 8\)"):
                 check_split(4, "index_heads", "index_n_heads")
 
-    def body(x):  # inside shard_map the heads are already local: Manual axes are not checked
+        with pytest.raises(ValueError, match="num_attention_heads = 6"):
+            check_split(6, "heads", "num_attention_heads", axis_types=(AxisType.Auto,))
+        check_split(6, "heads", "num_attention_heads", axis_types=(AxisType.Explicit,))
+
+    def body(x):  # inside shard_map (even over some axes only) constrain does nothing: no check
         check_split(6, "heads", "num_attention_heads")
         return x
 
     mesh = make_mesh({"tp": 4})
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(np.zeros(8))
+    mesh = make_mesh({"dp": 2, "tp": 4})
+    with jax.set_mesh(mesh):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
+                              axis_names={"dp"}))(np.zeros(8))

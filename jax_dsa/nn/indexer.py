@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 
 from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import LayerNorm, Linear
@@ -79,7 +80,9 @@ class Indexer(nnx.Module):
           compute dtype, ``weights [B, S, index_n_heads]`` float32 with the scale folded in.
         """
         c = self.config
-        check_split(c.index_n_heads, "index_heads", "index_n_heads")
+        # on Auto axes the partitioner reshards the fused wq_b output itself
+        check_split(c.index_n_heads, "index_heads", "index_n_heads",
+                    axis_types=(AxisType.Explicit,))
         x = jax.lax.stop_gradient(x)
         c_q = jax.lax.stop_gradient(c_q)
         b, s = x.shape[:2]

@@ -46,9 +46,11 @@ def explicit_axes() -> frozenset[str]:
                      if t == AxisType.Explicit)
 
 
-def check_split(count: int, logical: str, what: str) -> None:
-    """Checks that the mesh axes the rules map ``logical`` to divide ``count`` (``Auto`` and
-    ``Explicit`` axes of the mesh in context; nothing to check without one).
+def check_split(count: int, logical: str, what: str, *,
+                axis_types=(AxisType.Auto, AxisType.Explicit)) -> None:
+    """Checks that the mesh axes (of ``axis_types``) the rules map ``logical`` to divide
+    ``count``, on the mesh in context; nothing to check without one, or inside ``shard_map``
+    (any ``Manual`` axis: :func:`constrain` leaves activations alone there too).
 
     The layers fuse such a count with another dim in their weights (``heads`` x ``head_dim``),
     so the lookup's skip rule cannot see that the count itself does not split.
@@ -57,11 +59,11 @@ def check_split(count: int, logical: str, what: str) -> None:
       ValueError: naming ``what``, the mesh axes and the rule to change.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or AxisType.Manual in mesh.axis_types:
         return
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
     axes = tuple(a for a in _axes(logical_to_spec((logical,), mesh=mesh)[0])
-                 if kinds[a] != AxisType.Manual)
+                 if kinds[a] in axis_types)
     n = 1
     for a in axes:
         n *= mesh.shape[a]
