@@ -258,9 +258,13 @@ def test_sparse_mla_explicit_mesh_equals_unsharded():
     assert not [s for _, shapes in ops for s in shapes if len(s) == 4], ops
 
 
-def test_sparse_mla_inside_user_shard_map():
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_sparse_mla_inside_user_shard_map(check_vma):
     """Inside shard_map (Manual axes) the op runs on the local shards: context parallelism by
-    hand, gathering kv with jax.lax.all_gather, whose transpose reduce-scatters dkv."""
+    hand, gathering kv with jax.lax.all_gather, whose transpose reduce-scatters dkv. With
+    check_vma the op's results vary over the axes its operands vary over (an FFI result typed
+    invariant would have its cotangent summed over them) and its gradients come typed like
+    their primals (d_attn_sink of a replicated sink summed over the shards)."""
     q, kv, idx, sink, w = mla_inputs(np.random.default_rng(0))
     (_, (want_o, _, want_mx)), want_g = mla_reference("xla")
     mesh = make_mesh({"cp": 4})
@@ -274,7 +278,7 @@ def test_sparse_mla_inside_user_shard_map():
     sharded = jax.shard_map(
         local_loss, mesh=mesh,
         in_specs=(P(None, "cp"), P(None, "cp"), P(), P(None, "cp"), P(None, "cp")),
-        out_specs=(P(), (P(None, "cp"), P(None, "cp"))), check_vma=False)
+        out_specs=(P(), (P(None, "cp"), P(None, "cp"))), check_vma=check_vma)
     g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2), has_aux=True))
     (_, (got_o, got_mx)), got_g = g(q, kv, sink, idx, w)
     assert_close(got_o, want_o, what="out")

@@ -272,3 +272,32 @@ def test_heads_axis_that_does_not_divide_the_head_count():
         p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))
         with pytest.raises(ValueError, match="index_n_heads = 4 does not split"):
             step.__wrapped__(graphdef, "sparse")(p, rest, *batch)
+
+
+def test_gradients_inside_a_user_shard_map():
+    """GLM-5 tiny's summed LM loss and every parameter gradient computed inside the caller's
+    shard_map, Manual over dp only (tp stays Auto; check_vma on): the gradients of the
+    replicated parameters come summed over the batch shards and equal one device."""
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch()
+
+    def loss(params, rest, ids, pos, seg, targets):
+        logits, aux = nnx.merge(graphdef, params, rest)(ids, pos, seg, attention_mode="sparse")
+        lm = optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+        return lm + aux["indexer_loss"] * ids.shape[0]  # per-row mean: sums over shards
+
+    batch = (ids, pos, seg, targets_of(ids))
+    want = jax.jit(jax.value_and_grad(loss))(params, rest, *batch)
+    mesh = make_mesh({"dp": 2, "tp": 2})
+
+    def local(params, rest, *batch):
+        value, grads = jax.value_and_grad(loss)(params, rest, *batch)
+        return jax.lax.psum(value, "dp"), grads
+
+    with jax.set_mesh(mesh):
+        p, _, placed = place(mesh, params, logical, batch)
+        got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P()) + (P("dp"),) * 4,
+                                    out_specs=(P(), P()), axis_names={"dp"}))(p, rest, *placed)
+    assert_close(got[0], want[0], what="loss")
+    flat = dict(jax.tree_util.tree_flatten_with_path(got[1])[0])
+    for path, w in jax.tree_util.tree_flatten_with_path(want[1])[0]:
+        assert_close(flat[path], w, what="grad " + jax.tree_util.keystr(path))

@@ -12,7 +12,8 @@ one of four forms from the mesh in context:
 * mesh axes of type ``Explicit``: the same kernel under ``jax.shard_map`` with the layout read
   from the operands' typed shardings; the all-gathers and reductions are written out. (A bare
   kernel would be silently all-gathered to the global batch: jax-ml/jax#38551.)
-* inside a ``shard_map`` (``Manual`` axes): the kernel on the local shards, as the caller wrote.
+* inside a ``shard_map`` (``Manual`` axes): the kernel on the local shards, as the caller wrote;
+  its results typed as varying over the manual axes its operands vary over (``check_vma``).
 * under ``jax.vmap``: the kernel vmapped, unpartitioned (``jax.custom_batching.custom_vmap``).
 
 Dims of each operand and result are described by a role string, one letter per dim:
@@ -231,7 +232,7 @@ def partitioned_call(name: str, local, args, roles, results):
         mesh = _context_mesh(args)
         types = () if mesh.empty else tuple(mesh.axis_types)
         if AxisType.Manual in types:
-            return local(Layout(), *args)
+            return _varying_like(local(Layout(), *args), args)
         if AxisType.Explicit in types:
             return _shard_map_call(mesh, local, args, roles, results)
         return _custom_partitioning_call(local, args, roles, results)
@@ -239,12 +240,22 @@ def partitioned_call(name: str, local, args, roles, results):
     @call.def_vmap
     def _vmap_rule(axis_size, in_batched, *args):
         in_axes = tuple(0 if b else None for b in in_batched)
-        outs = jax.vmap(
+        outs = _varying_like(jax.vmap(
             functools.partial(local, Layout()), in_axes=in_axes, axis_size=axis_size
-        )(*args)
+        )(*args), args)
         return outs, tuple(True for _ in outs)
 
     return tuple(call(*args))
+
+
+def _varying_like(outs, args) -> tuple:
+    """``outs`` typed as varying over every manual mesh axis an operand varies over (inside
+    ``shard_map`` with ``check_vma``). FFI calls return untyped results, and a result typed
+    invariant would make its transpose sum the cotangent over that axis."""
+    axes = frozenset().union(*(_varying(x) for x in args))
+    return tuple(o if not axes - _varying(o)
+                 else jax.lax.pcast(o, tuple(sorted(axes - _varying(o))), to="varying")
+                 for o in outs)
 
 
 def _custom_partitioning_call(local, args, roles, results):
@@ -386,11 +397,25 @@ def sparse_mla_backward(bwd_rule):
     return wrapped
 
 
+def _varying(x) -> frozenset:
+    """Manual mesh axes over which ``x`` varies (its type's ``manual_axis_type``)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
 def _typed_like(g, x):
-    """``g`` resharded to ``x``'s sharding type where that type names ``Explicit`` mesh axes: a
-    custom VJP must return each cotangent with its primal's type, and on Explicit axes the
+    """``g`` typed like ``x``: a custom VJP must return each cotangent with its primal's type.
+
+    Inside ``shard_map`` (``check_vma``) the type says over which manual axes a value varies:
+    a cotangent varying where its primal does not is summed over those axes (the transpose of
+    the broadcast), one missing an axis is cast to varying. On ``Explicit`` mesh axes the
     sharding is part of the type (e.g. ``d_attn_sink`` comes out split by head from a
-    replicated ``attn_sink``)."""
+    replicated ``attn_sink``): resharded."""
+    extra = tuple(sorted(_varying(g) - _varying(x)))
+    if extra:
+        g = jax.lax.psum(g, extra)
+    missing = tuple(sorted(_varying(x) - _varying(g)))
+    if missing:
+        g = jax.lax.pcast(g, missing, to="varying")
     sharding = jax.typeof(x).sharding
     if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
         return g
