@@ -37,6 +37,14 @@ def _only(spec: P, keep) -> P:
     return P(*out)
 
 
+def _size(mesh, axes) -> int:
+    """Number of shards along the mesh axes ``axes``."""
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    return n
+
+
 def explicit_axes() -> frozenset[str]:
     """Names of the ``Explicit`` axes of the mesh in context (empty without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -64,9 +72,7 @@ def check_split(count: int, logical: str, what: str, *,
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
     axes = tuple(a for a in _axes(logical_to_spec((logical,), mesh=mesh)[0])
                  if kinds[a] in axis_types)
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
+    n = _size(mesh, axes)
     if count % n:
         raise ValueError(
             f"{what} = {count} does not split over mesh axes {axes} (size {n}), which the "
@@ -82,11 +88,7 @@ def typed_spec(x) -> tuple:
 
 def dividing(entry, size: int):
     """``entry`` (one PartitionSpec entry) if its mesh axes' sizes divide ``size``, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    n = 1
-    for a in _axes(entry):
-        n *= mesh.shape[a]
-    return entry if size % n == 0 else None
+    return entry if size % _size(jax.sharding.get_abstract_mesh(), _axes(entry)) == 0 else None
 
 
 def whole(x, *dims: int):

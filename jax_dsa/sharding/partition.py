@@ -248,6 +248,11 @@ def partitioned_call(name: str, local, args, roles, results):
     return tuple(call(*args))
 
 
+def _varying(x) -> frozenset:
+    """Manual mesh axes over which ``x`` varies (its type's ``manual_axis_type``)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
 def _varying_like(outs, args) -> tuple:
     """``outs`` typed as varying over every manual mesh axis an operand varies over (inside
     ``shard_map`` with ``check_vma``). FFI calls return untyped results, and a result typed
@@ -397,25 +402,17 @@ def sparse_mla_backward(bwd_rule):
     return wrapped
 
 
-def _varying(x) -> frozenset:
-    """Manual mesh axes over which ``x`` varies (its type's ``manual_axis_type``)."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
 def _typed_like(g, x):
     """``g`` typed like ``x``: a custom VJP must return each cotangent with its primal's type.
 
     Inside ``shard_map`` (``check_vma``) the type says over which manual axes a value varies:
     a cotangent varying where its primal does not is summed over those axes (the transpose of
-    the broadcast), one missing an axis is cast to varying. On ``Explicit`` mesh axes the
-    sharding is part of the type (e.g. ``d_attn_sink`` comes out split by head from a
-    replicated ``attn_sink``): resharded."""
+    the broadcast; :func:`_varying_like` already made it vary wherever the primal does). On
+    ``Explicit`` mesh axes the sharding is part of the type (e.g. ``d_attn_sink`` comes out
+    split by head from a replicated ``attn_sink``): resharded."""
     extra = tuple(sorted(_varying(g) - _varying(x)))
     if extra:
         g = jax.lax.psum(g, extra)
-    missing = tuple(sorted(_varying(x) - _varying(g)))
-    if missing:
-        g = jax.lax.pcast(g, missing, to="varying")
     sharding = jax.typeof(x).sharding
     if AxisType.Explicit not in tuple(sharding.mesh.axis_types):
         return g
