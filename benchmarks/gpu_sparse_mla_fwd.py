@@ -5,7 +5,7 @@ and times here; the kernel is launched from raw pointers through the module's ct
 ``jax_dsa_sparse_mla_fwd_raw_bench``, and once through XLA FFI via ``jax.ffi.ffi_call``).
 
     python benchmarks/gpu_sparse_mla_fwd.py --out results.json [--skip-accuracy] [--skip-speed]
-                                            [--k-sweep]
+                                            [--k-sweep] [--steady]
     python benchmarks/gpu_sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
 
 Accuracy: outputs poisoned with NaN before each launch; fresh random inputs (some cases cap the
@@ -14,6 +14,9 @@ a float64 NumPy reference <= 3e-3, lse max abs error <= 1e-4 (and max_logits), e
 lse +inf / max_logits -inf, every element written; determinism (two launches bit-identical).
 Speed: CUDA-event median over >= 50 launches at the issue's three shapes, all slots valid, and a
 bf16 8192^3 torch matmul timed in the same process; FLOPs = 2 H (D_qk + 512) S_q K.
+``--steady`` also compares the two in the same power state: the H200 holds its 700 W cap under
+both, at different SM clocks, so a short matmul burst on a cool card overstates the ceiling
+(see ``steady``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ import math
 import os
 import re
 import subprocess
+import threading
+import time
 
 import numpy as np
 import torch
 
 D_V = 512
+# issue 7's three shapes: (a) S_q 4096 / S_kv 32768 H 128, (b) GLM-5 training, (c) V4 with a sink
+SHAPES = [
+    ("a", dict(s_q=4096, s_kv=32768, h=128, d=576, k=2048, sink="-inf")),
+    ("b", dict(s_q=16384, s_kv=16384, h=64, d=576, k=2048, sink="-inf")),
+    ("c", dict(s_q=16384, s_kv=16384, h=64, d=512, k=640, sink="finite")),
+]
 
 
 def module_path():
@@ -324,11 +335,6 @@ def k_sweep(kern, iters):
 def speed(kern, iters):
     rows = []
     gen = torch.Generator().manual_seed(1)
-    shapes = [
-        ("a", dict(s_q=4096, s_kv=32768, h=128, d=576, k=2048, sink="-inf")),
-        ("b", dict(s_q=16384, s_kv=16384, h=64, d=576, k=2048, sink="-inf")),
-        ("c", dict(s_q=16384, s_kv=16384, h=64, d=512, k=640, sink="finite")),
-    ]
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
@@ -346,7 +352,7 @@ def speed(kern, iters):
         return 2 * 8192**3 / (float(np.median(ts)) * 1e-3) / 1e12
 
     mm_before = mm_tflops()
-    for name, kw in shapes:
+    for name, kw in SHAPES:
         rows.append(dict(shape=name, **time_case(kern, gen, iters, **kw)))
     mm_after = mm_tflops()
     mm = max(mm_before, mm_after)
@@ -362,6 +368,102 @@ def speed(kern, iters):
     return rows, mm_before, mm_after
 
 
+class _ClockSampler:
+    """nvidia-smi samples (SM clock MHz, power W) in a thread, tagged with the phase running."""
+
+    def __init__(self):
+        self.phase, self.samples, self._stop = None, [], False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
+            phase = self.phase
+            try:
+                clk, pw = (float(x) for x in out.stdout.strip().split(","))
+                if phase is not None:
+                    self.samples.append((phase, clk, pw))
+            except ValueError:
+                pass
+            time.sleep(0.05)
+
+    def summary(self, phase):
+        rows = [(c, p) for ph, c, p in self.samples if ph == phase]
+        if not rows:
+            return {}
+        c, p = np.array(rows).T
+        return dict(sm_clock_mhz_median=float(np.median(c)), power_w_median=float(np.median(p)),
+                    samples=len(rows))
+
+    def stop(self):
+        self._stop = True
+        self._thread.join()
+
+
+def steady(kern, seconds=0.4, rounds=6):
+    """The kernel against the matmul in the same power state: the card is power-capped (both run
+    at its ~700 W limit and lose clock), so each is timed as back-to-back launches for the same
+    wall time, alternating in rounds (either one first) after a warm-up, with no host sync
+    between launches (events between consecutive launches). Reports the median launch of each and the ratio,
+    with the SM clock and power nvidia-smi saw meanwhile."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def mm_seq(n):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        ev[0].record()
+        for i in range(n):
+            torch.mm(a, b)
+            ev[i + 1].record()
+        ev[-1].synchronize()
+        return [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+
+    sampler = _ClockSampler()
+    rows = []
+    try:
+        for name, kw in SHAPES:
+            q, kv, idx, length, att = make_case(gen, all_valid=True, **kw)
+            out = torch.empty((kw["s_q"], kw["h"], D_V), dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty((kw["s_q"], kw["h"]), device="cuda")
+            mx = torch.empty_like(lse)
+            t_k = float(np.median(kern.run(q, kv, idx, length, att, out, lse, mx, 0.1, iters=5)))
+            t_mm = float(np.median(mm_seq(5)))
+            n_k, n_mm = max(10, int(seconds * 1e3 / t_k)), max(10, int(seconds * 1e3 / t_mm))
+            mm_seq(n_mm)  # warm-up into the power-capped state
+            ms_k, ms_mm = [], []
+            for r in range(rounds):
+                for what in (("mm", "kernel") if r % 2 == 0 else ("kernel", "mm")):
+                    sampler.phase = (what, name)
+                    if what == "mm":
+                        ms_mm += mm_seq(n_mm)
+                    else:
+                        ms_k += list(kern.run(q, kv, idx, length, att, out, lse, mx, 0.1,
+                                              iters=n_k))
+                sampler.phase = None
+            time.sleep(0.2)
+            fl = 2 * kw["h"] * (kw["d"] + D_V) * kw["s_q"] * kw["k"]
+            k_tf = fl / (np.median(ms_k) * 1e-3) / 1e12
+            mm_tf = 2 * 8192**3 / (np.median(ms_mm) * 1e-3) / 1e12
+            rows.append(dict(shape=name, **kw, kernel_runs=len(ms_k),
+                             matmul_runs=len(ms_mm), kernel_median_ms=float(np.median(ms_k)),
+                             kernel_tflops=float(k_tf), matmul_tflops=float(mm_tf),
+                             fraction_of_matmul=float(k_tf / mm_tf),
+                             kernel_power=sampler.summary(("kernel", name)),
+                             matmul_power=sampler.summary(("mm", name))))
+            r = rows[-1]
+            print(f"steady ({name}): kernel {r['kernel_median_ms']:.3f} ms {k_tf:.0f} TFLOP/s "
+                  f"({r['kernel_power']}), matmul {mm_tf:.0f} TFLOP/s ({r['matmul_power']}): "
+                  f"{k_tf / mm_tf:.3f}", flush=True)
+            del q, kv, idx, out
+            torch.cuda.empty_cache()
+    finally:
+        sampler.stop()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -370,6 +472,8 @@ def main():
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--k-sweep", action="store_true", help="also time against K (k_sweep)")
+    ap.add_argument("--steady", action="store_true",
+                    help="also time against the matmul in the same power state (steady)")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -413,6 +517,8 @@ def main():
         rows, mb, ma = speed(kern, args.iters)
         res["speed"] = rows
         res["matmul_tflops_before_after"] = [mb, ma]
+    if args.steady:
+        res["steady"] = steady(kern)
     if args.k_sweep:
         res["k_sweep"] = k_sweep(kern, args.iters)
     if args.out:

@@ -2,6 +2,8 @@
 // memory: cp.async 16 B (the kernel's producer) vs bulk copies vs TMA 2D row boxes (SW128).
 // Build and run on an SM90 GPU: nvcc -O3 -arch=sm_90a -o gather_rate gather_rate.cu && ./gather_rate
 // (prints JSON; results/gpu_memory_port_h200.json). A measurement for NOTES.md, not part of the build.
+// The last rows (row ids prefetched, 4 .. all SMs) show the limit is the L2 shared by all SMs
+// (~8.8 TB/s), not one SM's port (~70 B/clk when few SMs gather).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -43,6 +45,38 @@ __global__ void __launch_bounds__(128, 1) k_cpasync(const char* kv, const int* i
     if (nst == 1) asm volatile("cp.async.wait_group 0;");
     else if (nst == 2) asm volatile("cp.async.wait_group 1;");
     else asm volatile("cp.async.wait_group 2;");
+  }
+  asm volatile("cp.async.wait_group 0;");
+  __syncthreads();
+  if (t == 0) cyc[blockIdx.x] = clock64() - t0;
+}
+
+// The same gather with each thread's row ids loaded one block ahead (as the kernel's producer
+// does), on a grid of `gridDim.x` SMs: is the limit the SM's own port or the L2 shared by all?
+__global__ void __launch_bounds__(128, 1) k_cpasync_prefetched(const char* kv, const int* idx, int nblk, unsigned long long* cyc) {
+  extern __shared__ __align__(1024) char smem[];
+  int t = threadIdx.x, r_in = t / 8, c_in = t % 8;
+  const int* my = idx + (size_t)blockIdx.x * nblk * ROWS;
+  int nxt[4];
+  for (int i = 0; i < 4; ++i) nxt[i] = __ldg(my + r_in + 16 * i);
+  unsigned long long t0 = clock64();
+  for (int b = 0; b < nblk; ++b) {
+    char* st = smem + (b % 2) * STAGE;
+    int cur[4];
+    for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+    if (b + 1 < nblk)
+      for (int i = 0; i < 4; ++i) nxt[i] = __ldg(my + (b + 1) * ROWS + r_in + 16 * i);
+    for (int i = 0; i < 4; ++i) {
+      int row = r_in + 16 * i;
+      const char* src = kv + (size_t)cur[i] * ROW_BYTES;
+#pragma unroll
+      for (int j = 0; j < CHUNKS; ++j) {
+        int cb = (c_in + 8 * j) * 16;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(su32(st + swz(row, cb))), "l"(src + cb));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group 1;");
   }
   asm volatile("cp.async.wait_group 0;");
   __syncthreads();
@@ -142,6 +176,25 @@ int main(int argc, char** argv) {
                first ? "" : ",\n", s_kv, names[mode], nst, med, bytes / med / 1e9, bpc, c[nsm / 2] / (med * 1e6));
         first = false;
       }
+    // row ids prefetched, 2 blocks in flight, on 4 .. all SMs
+    CK(cudaFuncSetAttribute(k_cpasync_prefetched, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * STAGE));
+    for (int grid : {4, 16, 33, 66, nsm}) {
+      std::vector<float> ms;
+      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+      for (int rep = 0; rep < 25; ++rep) {
+        cudaEventRecord(e0);
+        k_cpasync_prefetched<<<grid, 128, 3 * STAGE>>>(kv, idx, nblk, cyc);
+        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+        float x; cudaEventElapsedTime(&x, e0, e1); if (rep >= 5) ms.push_back(x);
+      }
+      CK(cudaGetLastError());
+      std::sort(ms.begin(), ms.end());
+      std::vector<unsigned long long> c(grid); CK(cudaMemcpy(c.data(), cyc, grid * 8, cudaMemcpyDeviceToHost));
+      std::sort(c.begin(), c.end());
+      double med = ms[ms.size() / 2];
+      printf(",\n{\"s_kv\": %d, \"mode\": \"cp.async16, row ids prefetched\", \"sms\": %d, \"ms\": %.4f, \"TB_s\": %.3f, \"B_per_clk_per_sm\": %.2f, \"clk_ghz\": %.3f}",
+             s_kv, grid, med, (double)grid * nblk * STAGE / med / 1e9, (double)nblk * STAGE / c[grid / 2], c[grid / 2] / (med * 1e6));
+    }
     cudaFree(kv); cudaFree(idx); cudaFree(cyc);
   }
   printf("\n]}\n");
