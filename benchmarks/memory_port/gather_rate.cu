@@ -127,6 +127,28 @@ __global__ void __launch_bounds__(128, 1) k_bulk(const char* kv, const int* idx,
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("ERR %s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
+// Median CUDA-event time (ms) of 20 launches after 5 warm-ups, and the median CTA cycle count.
+template <class Launch>
+static bool time_launch(Launch launch, int grid, const unsigned long long* cyc, double* med_ms, double* med_cyc) {
+  std::vector<float> ms;
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  for (int rep = 0; rep < 25; ++rep) {
+    cudaEventRecord(e0);
+    launch();
+    cudaEventRecord(e1);
+    if (cudaEventSynchronize(e1) != cudaSuccess) return false;
+    float x; cudaEventElapsedTime(&x, e0, e1); if (rep >= 5) ms.push_back(x);
+  }
+  if (cudaGetLastError() != cudaSuccess) return false;
+  std::sort(ms.begin(), ms.end());
+  std::vector<unsigned long long> c(grid);
+  if (cudaMemcpy(c.data(), cyc, grid * 8, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+  std::sort(c.begin(), c.end());
+  *med_ms = ms[ms.size() / 2];
+  *med_cyc = (double)c[grid / 2];
+  return true;
+}
+
 int main(int argc, char** argv) {
   int dev = 0; cudaDeviceProp p; CK(cudaGetDeviceProperties(&p, dev));
   int nsm = p.multiProcessorCount, nblk = 200;
@@ -153,47 +175,29 @@ int main(int argc, char** argv) {
     const char* names[] = {"cp.async16", "bulk128", "tma2d_sw128", "bulk_row1152"};
     for (int mode = 0; mode < 4; ++mode)
       for (int nst = 1; nst <= 3; ++nst) {
-        int smem = nst * STAGE;
+        int smem = 3 * STAGE;  // always one CTA per SM, whatever the stages in flight
         if (mode == 0) CK(cudaFuncSetAttribute(k_cpasync, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * STAGE));
         else CK(cudaFuncSetAttribute(k_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * STAGE));
-        smem = 3 * STAGE;  // always one CTA per SM
-        std::vector<float> ms;
-        cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-        for (int rep = 0; rep < 25; ++rep) {
-          cudaEventRecord(e0);
+        double med, cy;
+        bool ok = time_launch([&] {
           if (mode == 0) k_cpasync<<<nsm, 128, smem>>>(kv, idx, nblk, nst, cyc);
           else k_bulk<<<nsm, 128, smem>>>(kv, idx, nblk, nst, mode, tm, cyc);
-          cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-          float x; cudaEventElapsedTime(&x, e0, e1); if (rep >= 5) ms.push_back(x);
-        }
-        CK(cudaGetLastError());
-        std::sort(ms.begin(), ms.end());
-        std::vector<unsigned long long> c(nsm); CK(cudaMemcpy(c.data(), cyc, nsm * 8, cudaMemcpyDeviceToHost));
-        std::sort(c.begin(), c.end());
-        double bytes = (double)nsm * nblk * STAGE, med = ms[ms.size() / 2];
-        double bpc = (double)nblk * STAGE / c[nsm / 2];
+        }, nsm, cyc, &med, &cy);
+        if (!ok) { printf("launch failed\n"); return 1; }
+        double bytes = (double)nsm * nblk * STAGE;
         printf("%s{\"s_kv\": %d, \"mode\": \"%s\", \"stages_in_flight\": %d, \"ms\": %.4f, \"TB_s\": %.3f, \"B_per_clk_per_sm\": %.2f, \"clk_ghz\": %.3f}",
-               first ? "" : ",\n", s_kv, names[mode], nst, med, bytes / med / 1e9, bpc, c[nsm / 2] / (med * 1e6));
+               first ? "" : ",\n", s_kv, names[mode], nst, med, bytes / med / 1e9, nblk * STAGE / cy, cy / (med * 1e6));
         first = false;
       }
     // row ids prefetched, 2 blocks in flight, on 4 .. all SMs
     CK(cudaFuncSetAttribute(k_cpasync_prefetched, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * STAGE));
     for (int grid : {4, 16, 33, 66, nsm}) {
-      std::vector<float> ms;
-      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-      for (int rep = 0; rep < 25; ++rep) {
-        cudaEventRecord(e0);
-        k_cpasync_prefetched<<<grid, 128, 3 * STAGE>>>(kv, idx, nblk, cyc);
-        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-        float x; cudaEventElapsedTime(&x, e0, e1); if (rep >= 5) ms.push_back(x);
+      double med, cy;
+      if (!time_launch([&] { k_cpasync_prefetched<<<grid, 128, 3 * STAGE>>>(kv, idx, nblk, cyc); }, grid, cyc, &med, &cy)) {
+        printf("launch failed\n"); return 1;
       }
-      CK(cudaGetLastError());
-      std::sort(ms.begin(), ms.end());
-      std::vector<unsigned long long> c(grid); CK(cudaMemcpy(c.data(), cyc, grid * 8, cudaMemcpyDeviceToHost));
-      std::sort(c.begin(), c.end());
-      double med = ms[ms.size() / 2];
       printf(",\n{\"s_kv\": %d, \"mode\": \"cp.async16, row ids prefetched\", \"sms\": %d, \"ms\": %.4f, \"TB_s\": %.3f, \"B_per_clk_per_sm\": %.2f, \"clk_ghz\": %.3f}",
-             s_kv, grid, med, (double)grid * nblk * STAGE / med / 1e9, (double)nblk * STAGE / c[grid / 2], c[grid / 2] / (med * 1e6));
+             s_kv, grid, med, (double)grid * nblk * STAGE / med / 1e9, nblk * STAGE / cy, cy / (med * 1e6));
     }
     cudaFree(kv); cudaFree(idx); cudaFree(cyc);
   }
