@@ -36,8 +36,8 @@ done (mbarrier q_empty), and prefetches its kv row ids and first blocks while th
 finish; the next tile's Q and row ids are prefetched into L2 when a tile starts. Both WGs
 stage the output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the
 output with 16-byte stores once the next Q has landed, then hands stage 1 back to the producer
-(mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q
-and out stream through.
+(mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q,
+out and the row ids stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
 (Dao-AILab/flash-attention, flash_attn/cute).
@@ -95,10 +95,10 @@ def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, policy: I
 
 
 @dsl_user_op
-def _l2_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
-    """L2 eviction policy: evict_last for kv rows (reused by many queries), evict_first for
-    what streams through once (q, out), so the streams do not push kv out of L2."""
-    kind = "evict_last" if evict_last else "evict_first"
+def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
+    """L2 eviction policy ("evict_last", "evict_normal" or "evict_first"): evict_last for kv rows
+    (reused by many queries); evict_first for what passes through once (the Q load, out, the
+    prefetched kv row ids), so that it pushes neither kv nor the prefetched next Q out of L2."""
     return Int64(llvm.inline_asm(
         T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -120,13 +120,15 @@ def _copy_16_to_global(gmem_addr: Int64, smem_addr: Int32, policy: Int64, *, loc
 
 
 @dsl_user_op
-def _prefetch_l2(gmem_addr: Int64, nbytes: Int32, *, loc=None, ip=None):
-    """Bulk prefetch of nbytes contiguous bytes (16-byte aligned) from global memory into L2."""
+def _prefetch_l2(gmem_addr: Int64, nbytes: Int32, policy: Int64, *, loc=None, ip=None):
+    """Bulk prefetch of nbytes contiguous bytes (16-byte aligned) from global memory into L2,
+    with an L2 eviction policy."""
     llvm.inline_asm(
         None,
-        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r", has_side_effects=True, is_align_stack=False,
+        [Int64(gmem_addr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip),
+         Int64(policy).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, $2;",
+        "l,r,l", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -321,7 +323,7 @@ class SparseMlaFwdSm90:
             kv_smem = st.sKV0.data_ptr().toint()
             kv_stage_bytes = Int32(TILE_N * d * 2)
             kv_base = mKV.iterator.toint()
-            keep = _l2_policy(True)
+            keep = _l2_policy("evict_last")
             # fills of each stage so far (all tiles): the parity of the next empty wait
             uses = cute.make_rmem_tensor((STAGES,), Int32)
             uses.fill(0)
@@ -349,9 +351,9 @@ class SparseMlaFwdSm90:
                     s_next = t_next // (h // TILE_M)
                     h_next = (t_next % (h // TILE_M)) * TILE_M
                     _prefetch_l2(mQ.iterator.toint() + (Int64(s_next) * h + h_next) * (d * 2),
-                                 Int32(TILE_M * d * 2))
+                                 Int32(TILE_M * d * 2), _l2_policy("evict_normal"))
                     _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
-                                 k_slots * 4)
+                                 k_slots * 4, _l2_policy("evict_first"))
                 n_pair = (n_blk + 1) // 2
                 for bp in cutlass.range(n_pair, unroll=1):
                     for stage in cutlass.range_constexpr(STAGES):
@@ -446,7 +448,7 @@ class SparseMlaFwdSm90:
         if ti > 0:
             cute.arch.mbarrier_wait(q_empty, (ti - 1) % 2)
         q_row0 = mQ.iterator.toint() + (Int64(s) * self.h + h0) * (d * 2)
-        stream_once = _l2_policy(False)
+        stream_once = _l2_policy("evict_first")
         for i in cutlass.range_constexpr(TILE_M // 16):
             row = r_in + 16 * i
             for j in cutlass.range_constexpr(d // 64):
@@ -591,7 +593,7 @@ class SparseMlaFwdSm90:
         s = t // (h // TILE_M)
         h0 = (t % (h // TILE_M)) * TILE_M
         lane = wtid % 32
-        policy = _l2_policy(False)
+        policy = _l2_policy("evict_first")
         out_row0 = mOut.iterator.toint() + (Int64(s) * h + h0) * (D_V * 2)
         for i in cutlass.range(2 * TILE_M // 4, unroll=8):
             rh = wtid // 32 + 4 * i  # row half: WG rh // 64's columns of row rh % 64
