@@ -378,14 +378,15 @@ class _ClockSampler:
 
     def _loop(self):
         while not self._stop:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True)
             phase = self.phase
             try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                                      "--format=csv,noheader,nounits"], capture_output=True,
+                                     text=True, timeout=10)
                 clk, pw = (float(x) for x in out.stdout.strip().split(","))
                 if phase is not None:
                     self.samples.append((phase, clk, pw))
-            except ValueError:
+            except (ValueError, subprocess.TimeoutExpired):
                 pass
             time.sleep(0.05)
 
@@ -399,15 +400,17 @@ class _ClockSampler:
 
     def stop(self):
         self._stop = True
-        self._thread.join()
+        self._thread.join(timeout=15)
 
 
 def steady(kern, seconds=0.4, rounds=6):
     """The kernel against the matmul in the same power state: the card is power-capped (both run
-    at its ~700 W limit and lose clock), so each is timed as back-to-back launches for the same
-    wall time, alternating in rounds (either one first) after a warm-up, with no host sync
-    between launches (events between consecutive launches). Reports the median launch of each and the ratio,
-    with the SM clock and power nvidia-smi saw meanwhile."""
+    at its ~700 W limit and lose clock), so each is timed back to back for the same wall time,
+    alternating in rounds (either one first) after a warm-up; medians of the per-launch CUDA-event
+    times and their ratio. The matmul's launches are queued without a host sync; the raw kernel
+    entry syncs after each launch (a gap of some microseconds per 2.7-8 ms launch). The SM clock
+    and power are nvidia-smi's readings during each phase (its power is a running average, so
+    the phases' powers blur into each other)."""
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -447,7 +450,8 @@ def steady(kern, seconds=0.4, rounds=6):
             fl = 2 * kw["h"] * (kw["d"] + D_V) * kw["s_q"] * kw["k"]
             k_tf = fl / (np.median(ms_k) * 1e-3) / 1e12
             mm_tf = 2 * 8192**3 / (np.median(ms_mm) * 1e-3) / 1e12
-            rows.append(dict(shape=name, **kw, kernel_runs=len(ms_k),
+            rows.append(dict(shape=name, s_q=kw["s_q"], s_kv=kw["s_kv"], h=kw["h"], d_qk=kw["d"],
+                             k=kw["k"], sink=kw["sink"] != "-inf", kernel_runs=len(ms_k),
                              matmul_runs=len(ms_mm), kernel_median_ms=float(np.median(ms_k)),
                              kernel_tflops=float(k_tf), matmul_tflops=float(mm_tf),
                              fraction_of_matmul=float(k_tf / mm_tf),

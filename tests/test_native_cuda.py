@@ -254,7 +254,8 @@ def test_sm100_artifacts_are_not_linked_into_the_cuda_module():
 
 @needs_cuda
 @pytest.mark.parametrize("return_max_logits", [False, True])
-@pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 640, 128)])
+@pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 640, 128),
+                                         (64, 576, 30, 64)])
 def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, hp,
                                                                    return_max_logits):
     b, s_q, s_kv = 2, 70, 90
@@ -264,10 +265,10 @@ def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, h
     assert sum(c[0] == sparse_mla_ffi.CUDA_BWD_TARGET for c in calls) == 1
     _, _, attrs, operand_types, result_types = fwd[0]
     t = b * s_q
-    # Batch folded into tokens, heads padded to 64/128, slots passed as they are.
+    # Batch folded into tokens, heads padded to 64/128, slots padded to a multiple of 4.
     assert f"tensor<{t}x{hp}x{d_qk}xbf16>" in operand_types
     assert f"tensor<{b * s_kv}x{d_qk}xbf16>" in operand_types
-    assert f"tensor<{t}x{k}xi32>" in operand_types
+    assert f"tensor<{t}x{-(-k // 4) * 4}xi32>" in operand_types
     # Three results, max_logits computed by the kernel itself (asked for or not).
     assert re.findall(r"tensor<[^>]*>", result_types) == [
         f"tensor<{t}x{hp}x512xbf16>", f"tensor<{t}x{hp}xf32>", f"tensor<{t}x{hp}xf32>"]

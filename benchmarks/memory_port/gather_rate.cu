@@ -3,7 +3,7 @@
 // Build and run on an SM90 GPU: nvcc -O3 -arch=sm_90a -o gather_rate gather_rate.cu && ./gather_rate
 // (prints JSON; results/gpu_memory_port_h200.json). A measurement for NOTES.md, not part of the build.
 // The last rows (row ids prefetched, 4 .. all SMs) show the limit is the L2 shared by all SMs
-// (~8.8 TB/s), not one SM's port (~70 B/clk when few SMs gather).
+// (~8.4 TB/s), not one SM's port (45-82 B/clk per SM while at most half the SMs gather).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(128, 1) k_bulk(const char* kv, const int* idx,
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("ERR %s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
-// Median CUDA-event time (ms) of 20 launches after 5 warm-ups, and the median CTA cycle count.
+// Median CUDA-event time (ms) of 20 launches after 5 warm-ups, and the median CTA cycle count
+// of the last launch.
 template <class Launch>
 static bool time_launch(Launch launch, int grid, const unsigned long long* cyc, double* med_ms, double* med_cyc) {
   std::vector<float> ms;
@@ -139,6 +140,7 @@ static bool time_launch(Launch launch, int grid, const unsigned long long* cyc, 
     if (cudaEventSynchronize(e1) != cudaSuccess) return false;
     float x; cudaEventElapsedTime(&x, e0, e1); if (rep >= 5) ms.push_back(x);
   }
+  cudaEventDestroy(e0); cudaEventDestroy(e1);
   if (cudaGetLastError() != cudaSuccess) return false;
   std::sort(ms.begin(), ms.end());
   std::vector<unsigned long long> c(grid);

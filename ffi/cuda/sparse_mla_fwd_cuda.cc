@@ -3,8 +3,9 @@
 // launched here on XLA's stream with no compiler, no PyTorch and no allocation at run time.
 //
 // Contract (FlashMLA v2 sparse prefill; the glue in jax_dsa/ops/sparse_mla_ffi.py prepares it):
-// flat tokens, bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] (any K >= 1;
-// a slot is used iff its position < topk_length and 0 <= index < S_kv), attn_sink [H] (-inf for
+// flat tokens, bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] (K >= 1 a
+// multiple of 4: the kernel prefetches each row of slot ids as one 16-byte-aligned block; a slot
+// is used iff its position < topk_length and 0 <= index < S_kv), attn_sink [H] (-inf for
 // none). Results: out [S_q, H, 512] bf16, lse [S_q, H] natural log and sink-free (+inf for rows
 // without a valid slot), max_logits [S_q, H] (-inf for such rows).
 
@@ -112,6 +113,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
     return FwdInvalid("results must be out [S_q, H, 512], lse [S_q, H], max_logits [S_q, H]");
   if (s_q == 0) return ffi::Error::Success();
   if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
+  if (k % 4 != 0) return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of 4 (pad indices with -1)");
   // (the kernel's tile walk adds the grid size to a tile index)
   if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
     return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
@@ -133,14 +135,15 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
 // Benchmark harness (through ctypes): the same kernel launched from raw device pointers on a
 // private stream, no XLA. CUDA-event time of each of `iters` launches into ms_events.
 // max_ctas > 0 caps the persistent grid (tests use it to make each CTA walk many tiles).
-// Returns 0, or a CUDA error code (negative: no such variant / launch failure).
+// Returns 0, or a CUDA error code (negative: no such variant or K not a multiple of 4 / launch
+// failure).
 extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw_bench(
     const void* q, const void* kv, const int32_t* indices, const int32_t* topk_length,
     const float* attn_sink, void* out, float* lse, float* max_logits, int s_q, int s_kv, int h,
     int d, int k, float sm_scale, int iters, int max_ctas, float* ms_events) {
   using namespace jax_dsa;
   const SparseMlaFwdKernel* kern = FindFwd(h, d);
-  if (!kern) return -1;
+  if (!kern || k % 4 != 0) return -1;
   if (LoadFwd() != cudaSuccess) return int(g_fwd_load_error);
   cudaStream_t stream;
   cudaEvent_t e0, e1;

@@ -116,14 +116,18 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     float32 (-inf for such rows).
 
     Glue: batch folded into tokens (valid slots offset by ``b * S_kv``, invalid ones set to -1 so
-    the offset cannot make them valid); heads padded to 64 or 128 (zero q, sink -inf), then
-    sliced. Slots past ``topk_length`` are skipped by the kernel itself.
+    the offset cannot make them valid); slots padded with -1 to a multiple of 4 (the kernel
+    prefetches each query's row of slot ids as one 16-byte-aligned block); heads padded to 64 or
+    128 (zero q, sink -inf), then sliced. Slots past ``topk_length`` are skipped by the kernel.
     """
     nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
     bf = jnp.bfloat16
     valid = (indices >= 0) & (indices < s_kv)
     offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
     idx = jnp.where(valid, indices + offset, -1).astype(jnp.int32)
+    k4 = -(-k // 4) * 4
+    if k4 > k:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k4 - k)), constant_values=-1)
     q = q.astype(bf)
     sink = attn_sink.astype(jnp.float32)
     if hp > h:
@@ -140,7 +144,7 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
         vmap_method="sequential",
     )
     out, lse, mx = call(q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk),
-                        idx.reshape(t, k), topk_length.astype(jnp.int32).reshape(t), sink,
+                        idx.reshape(t, k4), topk_length.astype(jnp.int32).reshape(t), sink,
                         sm_scale=np.float32(sm_scale))
     out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
     lse = lse.reshape(nb, s_q, hp)[:, :, :h]
