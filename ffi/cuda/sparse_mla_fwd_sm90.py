@@ -5,8 +5,9 @@ for ``sm_90a`` and exports it as a C object; nothing here runs at run time.
 
 Contract (one launch, flat tokens):
   q ``[S_q, H, D_qk]`` bf16 (H a multiple of 64), kv ``[S_kv, D_qk]`` bf16 (V = first 512
-  columns), indices ``[S_q, K]`` int32, topk_length ``[S_q]`` int32 (slots at or past it are
-  ignored), attn_sink ``[H]`` float32 (-inf = none), sm_scale.
+  columns), indices ``[S_q, K]`` int32 (K a multiple of 4: a row of ids is one bulk prefetch),
+  topk_length ``[S_q]`` int32 (slots at or past it are ignored), attn_sink ``[H]`` float32
+  (-inf = none), sm_scale.
   out ``[S_q, H, 512]`` bf16 = softmax-weighted V rows, scaled by exp(lse)/(exp(lse)+exp(sink));
   lse ``[S_q, H]`` float32 = natural-log logsumexp of sm_scale * q.k over valid slots (sink-free);
   max_logits ``[S_q, H]`` float32 = sm_scale * max q.k. A slot is valid iff its position is below
