@@ -386,7 +386,7 @@ class _ClockSampler:
                 clk, pw = (float(x) for x in out.stdout.strip().split(","))
                 if phase is not None:
                     self.samples.append((phase, clk, pw))
-            except (ValueError, subprocess.TimeoutExpired):
+            except (ValueError, OSError, subprocess.TimeoutExpired):
                 pass
             time.sleep(0.05)
 
