@@ -586,9 +586,9 @@ class SparseMlaFwdSm90:
         memory: warp k takes row halves k, k + 4, ..., one 512-byte row half per instruction.
         The stores are not waited for; stage 1 is the producer's again once they have read it.
 
-        WG1 does this once the next tile's Q has landed: the SM's loads and stores share one
-        port (~32 B/clk, benchmarks/NOTES.md), so the next tile's Q and block 0 go first, and
-        WG1 would wait for block 1 (which goes into stage 1) anyway."""
+        WG1 does this once the next tile's Q has landed: loads and stores share the L2 that all
+        SMs draw on (benchmarks/NOTES.md), so the next tile's Q and block 0 go first, and WG1
+        would wait for block 1 (which goes into stage 1) anyway."""
         h = self.h
         cute.arch.mbarrier_wait(o_full, ti % 2)
         s = t // (h // TILE_M)
