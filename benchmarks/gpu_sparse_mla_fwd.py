@@ -332,6 +332,25 @@ def k_sweep(kern, iters):
     return rows
 
 
+def kv_sweep(kern, iters):
+    """Time against S_kv (random rows from a longer and longer kv) at fixed S_q: where kv (S_kv x
+    D_qk bf16) outgrows the L2, the gathered rows come from HBM."""
+    gen = torch.Generator().manual_seed(6)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = []
+    for h, d, k, s_q, sink in ((128, 576, 2048, 4096, "-inf"), (64, 576, 2048, 8192, "-inf"),
+                               (64, 512, 640, 16384, "finite")):
+        for s_kv in (8192, 32768, 131072, 524288):
+            r = time_case(kern, gen, iters, s_q=s_q, s_kv=s_kv, h=h, d=d, k=k, sink=sink)
+            r["kv_mb"] = s_kv * d * 2 / 1e6
+            r["l2_mb"] = l2 / 1e6
+            rows.append(r)
+            print(f"H {h} D_qk {d} K {k} S_q {s_q} S_kv {s_kv} (kv {r['kv_mb']:.0f} MB, L2 "
+                  f"{r['l2_mb']:.0f} MB): {r['median_ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s",
+                  flush=True)
+    return rows
+
+
 def speed(kern, iters):
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -476,6 +495,7 @@ def main():
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--k-sweep", action="store_true", help="also time against K (k_sweep)")
+    ap.add_argument("--kv-sweep", action="store_true", help="also time against S_kv (kv_sweep)")
     ap.add_argument("--steady", action="store_true",
                     help="also time against the matmul in the same power state (steady)")
     ap.add_argument("--iters", type=int, default=60)
@@ -525,6 +545,8 @@ def main():
         res["steady"] = steady(kern)
     if args.k_sweep:
         res["k_sweep"] = k_sweep(kern, args.iters)
+    if args.kv_sweep:
+        res["kv_sweep"] = kv_sweep(kern, args.iters)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
