@@ -5,7 +5,7 @@ and times here; the kernel is launched from raw pointers through the module's ct
 ``jax_dsa_sparse_mla_fwd_raw_bench``, and once through XLA FFI via ``jax.ffi.ffi_call``).
 
     python benchmarks/gpu_sparse_mla_fwd.py --out results.json [--skip-accuracy] [--skip-speed]
-                                            [--k-sweep] [--steady]
+                                            [--k-sweep] [--kv-sweep] [--steady]
     python benchmarks/gpu_sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
 
 Accuracy: outputs poisoned with NaN before each launch; fresh random inputs (some cases cap the
