@@ -2,8 +2,9 @@
 // memory: cp.async 16 B (the kernel's producer) vs bulk copies vs TMA 2D row boxes (SW128).
 // Build and run on an SM90 GPU: nvcc -O3 -arch=sm_90a -o gather_rate gather_rate.cu && ./gather_rate
 // (prints JSON; results/gpu_memory_port_h200.json). A measurement for NOTES.md, not part of the build.
-// The last rows (row ids prefetched, 4 .. all SMs) show the limit is the L2 shared by all SMs
-// (~8.4 TB/s), not one SM's port (45-82 B/clk per SM while at most half the SMs gather).
+// The last rows (row ids prefetched, 4 .. all SMs) show that a bare gather is limited by the L2
+// shared by all SMs (~8.4 TB/s), not one SM's port (45-82 B/clk per SM while at most half the
+// SMs gather). The forward kernel itself runs below that limit (NOTES.md, eighth session).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
