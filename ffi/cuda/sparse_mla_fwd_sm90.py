@@ -27,7 +27,9 @@ accumulator). The running row max is a chain through shared memory: block n's ow
 from the other WG's block n - 1 and publishes M_{n+1}; it keeps P in registers for its own P V
 and leaves a copy as plain words (D_qk 576: in the stage's rope columns, which no one reads
 after S; 512: a room of its own) that the other WG loads into the same registers for its P V
-(both register-A wgmma), then signals it on an mbarrier (release / acquire). The other WG's
+(both register-A wgmma), then signals it on an mbarrier (release / acquire). P goes over in
+four parts of 16 kv rows, each with its own mbarrier, and each part's P V (on both WGs) is issued
+as soon as the part is out, so it runs while the softmax computes the next part. The other WG's
 P V of block n - 1 is issued between the two halves of S_n, so the stage part it reads goes
 back to the producer as soon as it is done. The max moves only when a block's exceeds it by
 more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as their readers
@@ -74,6 +76,9 @@ HALF = D_V // 2  # output columns per consumer warpgroup
 O_ROW = HALF + 8  # staged output row (elements): 16 bytes of padding keep the stores conflict-free
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# P is handed over in parts of one k step (16 kv rows) each: a part's P V runs while the softmax
+# computes the next part (benchmarks/NOTES.md, eleventh session).
+P_PARTS = 4
 
 
 @dsl_user_op
@@ -226,7 +231,8 @@ class SparseMlaFwdSm90:
             q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             o_full: cute.struct.MemRange[cutlass.Int64, 1]  # a tile's output is staged
             o_empty: cute.struct.MemRange[cutlass.Int64, 1]  # ... and copied out of stage 1
-            ready: cute.struct.MemRange[cutlass.Int64, 2]  # WG w published M and P of a block
+            # WG w published M and part j of P of a block: ready[w + 2 j]
+            ready: cute.struct.MemRange[cutlass.Int64, 2 * P_PARTS]
             row_max: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
             row_sum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * TILE_M], 16]
             valid: cute.struct.Align[cute.struct.MemRange[Uint8, STAGES * TILE_N], 16]
@@ -295,8 +301,8 @@ class SparseMlaFwdSm90:
             cute.arch.mbarrier_init(q_empty, 256)  # every consumer thread
             cute.arch.mbarrier_init(o_full, 256)
             cute.arch.mbarrier_init(o_empty, 128)
-            cute.arch.mbarrier_init(ready, 128)
-            cute.arch.mbarrier_init(ready + 1, 128)
+            for i in cutlass.range_constexpr(2 * P_PARTS):
+                cute.arch.mbarrier_init(ready + i, 128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -505,7 +511,6 @@ class SparseMlaFwdSm90:
         # It holds this WG's P, or the other WG's P while that block's P V runs.
         rP = cute.make_rmem_tensor(
             cute.make_layout(((2, 2, 2), 1, TILE_N // 16), stride=((1, 2, 4), 0, 8)), BFloat16)
-        rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
         rP_words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32),
                                     cute.make_layout((4, 4), stride=(1, 4)))
         # Accumulator element i of a wgmma fragment holds row r0 + 8 * ((i // 2) % 2).
@@ -546,7 +551,7 @@ class SparseMlaFwdSm90:
                 # no S of this WG reads the Q room (one arrival per warp: a uniform branch
                 # here makes ptxas serialize the wgmma)
                 cute.arch.mbarrier_arrive(q_empty, arrive_count=32)
-            st = (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+            st = (w, o, d, acc_s, acc_o, rP, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
                   sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid,
                   mma_s, mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest,
                   ready, uses, n_own, q_empty)
@@ -567,6 +572,7 @@ class SparseMlaFwdSm90:
             if n_blk > 0 and (n_blk - 1) % 2 == o:
                 # the last block is the other WG's
                 self._other_block(st, (uses[o] + (n_blk - 1) // 2) % 2)
+                warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(empty_rest + o)
             self._epilogue(st, ti, s, h0, sm_scale, mSink, mLse, mMax, o_smem, sSum, sTrue,
@@ -608,7 +614,7 @@ class SparseMlaFwdSm90:
                   sSum: cute.Tensor, sTrue: cute.Tensor, thr_rs, o_full, o_empty):
         """Row sums across both WGs, lse / max_logits, and this WG's half of the output,
         staged in shared memory for WG1 to store (see _store_out)."""
-        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+        (w, o, d, acc_s, acc_o, rP, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
          n_own, q_empty) = st
@@ -660,7 +666,7 @@ class SparseMlaFwdSm90:
         The other WG's P V of block n - 1 is issued before the rest of S_n so that its wgmma
         group can be waited for first: the part of that block's stage it reads is released to
         the producer as soon as it is done, not after this block's softmax."""
-        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+        (w, o, d, acc_s, acc_o, rP, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
          n_own, q_empty) = st
@@ -721,19 +727,38 @@ class SparseMlaFwdSm90:
             m_cur[r] = m_new
         psum = cute.make_rmem_tensor((2,), Float32)
         psum.fill(0.0)
-        for i in cutlass.range_constexpr(n_s):
-            p = _ex2(acc_s[i] * scale_log2 - m_use[(i // 2) % 2])
-            acc_s[i] = p
-            psum[(i // 2) % 2] = psum[(i // 2) % 2] + p
-        rP_as_s.store(acc_s.load().to(BFloat16))
-        cute.autovec_copy(rP_words, sP_own)
-        cute.arch.mbarrier_arrive(ready + w)  # block n published (release)
+        part = n_s // P_PARTS  # accumulator elements (and P elements) per part
+        for j in cutlass.range_constexpr(P_PARTS):
+            for i in cutlass.range_constexpr(j * part, (j + 1) * part):
+                p = _ex2(acc_s[i] * scale_log2 - m_use[(i // 2) % 2])
+                acc_s[i] = p
+                psum[(i // 2) % 2] = psum[(i // 2) % 2] + p
+            # elements 8k..8k+7 of the fragment are k step k of P (see rP)
+            p_f32 = cute.make_tensor(acc_s.iterator + j * part, cute.make_layout(part))
+            p_bf16 = cute.make_tensor(rP.iterator + j * part, cute.make_layout(part))
+            p_bf16.store(p_f32.load().to(BFloat16))
+            cute.autovec_copy(self._p_words(rP_words, j), self._p_words(sP_own, j))
+            cute.arch.mbarrier_arrive(ready + w + 2 * j)  # part j of block n published (release)
+            if const_expr(j == 0):
+                self._rescale(acc_o, scale_row)
+            warpgroup.fence()
+            self._mma(mma_rs, acc_o, rP, tOrV_own, self._p_k_steps(j), False)
+        warpgroup.commit_group()
         for r in cutlass.range_constexpr(2):
             l_sum[r] = l_sum[r] * scale_row[r] + psum[r]
-        self._rescale(acc_o, scale_row)
-        warpgroup.fence()
-        self._mma(mma_rs, acc_o, rP, tOrV_own, _PV_K_STEPS, False)
-        warpgroup.commit_group()
+
+    @staticmethod
+    def _p_k_steps(j: int):
+        """k steps of the P V product that part j of P feeds."""
+        n = len(_PV_K_STEPS) // P_PARTS
+        return _PV_K_STEPS[j * n:(j + 1) * n]
+
+    @staticmethod
+    def _p_words(t: cute.Tensor, j: int):
+        """Part j of a thread's P words (a (4, 4) view, one column of 4 words per k step)."""
+        n = 4 // P_PARTS
+        return cute.make_tensor(t.iterator + j * n * t.layout.stride[1],
+                                cute.make_layout((4, n), stride=t.layout.stride))
 
     @cute.jit
     def _rescale(self, acc_o: cute.Tensor, scale_row: cute.Tensor):
@@ -746,24 +771,26 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def _other_block(self, st, phase: Int32):
-        """Wait for the other WG's next block, load its P, rebase O to its published max and
-        issue its P V on this WG's output columns."""
-        (w, o, d, acc_s, acc_o, rP, rP_as_s, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
+        """Wait for the other WG's next block part by part, load each part of its P, rebase O to
+        its published max (with part 0) and issue each part's P V on this WG's output columns
+        (not committed)."""
+        (w, o, d, acc_s, acc_o, rP, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
          n_own, q_empty) = st
-        cute.arch.mbarrier_wait(ready + o, phase)  # acquire: its M and P are visible
-        cute.autovec_copy(sP_oth, rP_words)
-        scale_row = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            m_new = sMax[o, rows[r]]
-            mu = m_new
-            if m_new == -math.inf:
-                mu = Float32(0.0)
-            scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
-            m_cur[r] = m_new
-            l_sum[r] = l_sum[r] * scale_row[r]
-        self._rescale(acc_o, scale_row)
-        warpgroup.fence()
-        self._mma(mma_rs, acc_o, rP, tOrV_oth, _PV_K_STEPS, False)
-        warpgroup.commit_group()
+        for j in cutlass.range_constexpr(P_PARTS):
+            cute.arch.mbarrier_wait(ready + o + 2 * j, phase)  # acquire: its M and P part j
+            cute.autovec_copy(self._p_words(sP_oth, j), self._p_words(rP_words, j))
+            if const_expr(j == 0):
+                scale_row = cute.make_rmem_tensor((2,), Float32)
+                for r in cutlass.range_constexpr(2):
+                    m_new = sMax[o, rows[r]]
+                    mu = m_new
+                    if m_new == -math.inf:
+                        mu = Float32(0.0)
+                    scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+                    m_cur[r] = m_new
+                    l_sum[r] = l_sum[r] * scale_row[r]
+                self._rescale(acc_o, scale_row)
+            warpgroup.fence()
+            self._mma(mma_rs, acc_o, rP, tOrV_oth, self._p_k_steps(j), False)
