@@ -572,7 +572,6 @@ class SparseMlaFwdSm90:
             if n_blk > 0 and (n_blk - 1) % 2 == o:
                 # the last block is the other WG's
                 self._other_block(st, (uses[o] + (n_blk - 1) // 2) % 2)
-                warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(empty_rest + o)
             self._epilogue(st, ti, s, h0, sm_scale, mSink, mLse, mMax, o_smem, sSum, sTrue,
@@ -773,7 +772,7 @@ class SparseMlaFwdSm90:
     def _other_block(self, st, phase: Int32):
         """Wait for the other WG's next block part by part, load each part of its P, rebase O to
         its published max (with part 0) and issue each part's P V on this WG's output columns
-        (not committed)."""
+        (one wgmma group, with whatever this WG issued before it)."""
         (w, o, d, acc_s, acc_o, rP, rP_words, tSrQ, tSrK, tOrV_own, tOrV_oth,
          sP_own, sP_oth, cS, rows, m_cur, m_true, l_sum, sMax, sValid, sAllValid, mma_s,
          mma_rs, lane, scale_log2, full_own, full_rest, empty_own, empty_rest, ready, uses,
@@ -794,3 +793,4 @@ class SparseMlaFwdSm90:
                 self._rescale(acc_o, scale_row)
             warpgroup.fence()
             self._mma(mma_rs, acc_o, rP, tOrV_oth, self._p_k_steps(j), False)
+        warpgroup.commit_group()
