@@ -32,8 +32,10 @@ four parts of 16 kv rows, each with its own mbarrier, and each part's P V (on bo
 as soon as the part is out, so it runs while the softmax computes the next part. The other WG's
 P V of block n - 1 is issued between the two halves of S_n, so the stage part it reads goes
 back to the producer as soon as it is done. The max moves only when a block's exceeds it by
-more than 2^8 in P, so O is rarely rescaled. Stage parts are released as soon as their readers
-are done: the owner's V half after its own P V, the other half (and P) after the other WG's.
+more than 2^8 in P, so O is rarely rescaled, and the row max's shuffles are skipped when no
+thread of a warp holds a logit past that threshold (a warp vote). Stage parts are released as
+soon as their readers are done: the owner's V half after its own P V, the other half (and P)
+after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
 finish; the next tile's Q and row ids are prefetched into L2 when a tile starts. Both WGs
@@ -622,9 +624,12 @@ class SparseMlaFwdSm90:
             l = l_sum[r]
             l = l + cute.arch.shuffle_sync_bfly(l, offset=1)
             l = l + cute.arch.shuffle_sync_bfly(l, offset=2)
+            mt = m_true[r]  # this thread's; the quad's max here, once per tile
+            mt = cute.arch.fmax(mt, cute.arch.shuffle_sync_bfly(mt, offset=1))
+            mt = cute.arch.fmax(mt, cute.arch.shuffle_sync_bfly(mt, offset=2))
             if lane % 4 == 0:
                 sSum[par, w, rows[r]] = l
-                sTrue[par, w, rows[r]] = m_true[r]
+                sTrue[par, w, rows[r]] = mt
         _barrier_sync(3, 256)
         factor = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
@@ -705,11 +710,23 @@ class SparseMlaFwdSm90:
             m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], acc_s[i])
         m_use = cute.make_rmem_tensor((2,), Float32)
         scale_row = cute.make_rmem_tensor((2,), Float32)
+        # The row max (over the quad of threads that share a row) only matters when it moves
+        # the reference max, so its shuffles are skipped when no thread of the warp holds a
+        # logit past the threshold below (the usual case after a row's first blocks).
+        m_row = cute.make_rmem_tensor((2,), Float32)
+        grow = ((m_loc[0] - m_cur[0]) * scale_log2 > 8.0
+                or (m_loc[1] - m_cur[1]) * scale_log2 > 8.0)
         for r in cutlass.range_constexpr(2):
-            m = m_loc[r]
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-            m_true[r] = cute.arch.fmax(m_true[r], m)
+            m_true[r] = cute.arch.fmax(m_true[r], m_loc[r])  # the quad's max at the epilogue
+            m_row[r] = m_cur[r]
+        if cute.arch.vote_any_sync(grow):
+            for r in cutlass.range_constexpr(2):
+                m = m_loc[r]
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+                m_row[r] = m
+        for r in cutlass.range_constexpr(2):
+            m = m_row[r]
             # Conditional rescaling (FlashAttention-4): keep the chain's reference max unless
             # this block's exceeds it by more than 2^8 in P, so O and l are rarely rescaled;
             # P up to 2^8 is safe in fp32 and bf16.
