@@ -185,6 +185,7 @@ def _swizzled_byte_offset(row, col, rows):
 
 
 _PV_K_STEPS = tuple(range(TILE_N // 16))
+assert len(_PV_K_STEPS) % P_PARTS == 0  # each part of P is whole k steps
 
 
 def _s_k_steps(w: int, d: int):
@@ -772,7 +773,7 @@ class SparseMlaFwdSm90:
     @staticmethod
     def _p_words(t: cute.Tensor, j: int):
         """Part j of a thread's P words (a (4, 4) view, one column of 4 words per k step)."""
-        n = 4 // P_PARTS
+        n = len(_PV_K_STEPS) // P_PARTS
         return cute.make_tensor(t.iterator + j * n * t.layout.stride[1],
                                 cute.make_layout((4, n), stride=t.layout.stride))
 
