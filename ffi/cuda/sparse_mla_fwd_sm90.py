@@ -164,6 +164,17 @@ def _ex2(a: Float32, *, loc=None, ip=None) -> Float32:
         loc=loc, ip=ip))
 
 
+def _tree_max(vals):
+    """fmax of a list of values as a balanced tree (dependent depth log2 n, not n)."""
+    vals = list(vals)
+    while len(vals) > 1:
+        nxt = [cute.arch.fmax(vals[k], vals[k + 1]) for k in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
+
+
 def _smem_layout(shape):
     """Row-major (K-major) bf16 tile in the 128-byte-swizzled layout wgmma reads."""
     atom = warpgroup.make_smem_layout_atom(
@@ -688,6 +699,20 @@ class SparseMlaFwdSm90:
         self._mma(mma_s, acc_s, tSrQ, tSrK, steps_own, True)
         if const_expr(has_other):
             self._other_block(st, (uses[o] + it - 1 + w) % 2)
+        # What the softmax needs when the reference max stays (the usual case), computed here,
+        # off the chain: m_cur is final once the other WG's block n - 1 is in. The max is
+        # published now and overwritten below if it moves (the other WG reads it only after
+        # part 0 of P is out).
+        thr = cute.make_rmem_tensor((2,), Float32)
+        m_use0 = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            thr[r] = m_cur[r] + 8.0 / scale_log2
+            mu0 = m_cur[r]
+            if mu0 == -math.inf:
+                mu0 = Float32(0.0)
+            m_use0[r] = mu0 * scale_log2
+            if lane % 4 == 0:
+                sMax[w, rows[r]] = m_cur[r]
         cute.arch.mbarrier_wait(full_rest + w, ph)
         cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -706,42 +731,36 @@ class SparseMlaFwdSm90:
                 if sValid[w, cS[i][1]] == 0:
                     acc_s[i] = Float32(-math.inf)
         m_loc = cute.make_rmem_tensor((2,), Float32)
-        m_loc.fill(-math.inf)
-        for i in cutlass.range_constexpr(n_s):
-            m_loc[(i // 2) % 2] = cute.arch.fmax(m_loc[(i // 2) % 2], acc_s[i])
+        for r in cutlass.range_constexpr(2):
+            m_loc[r] = _tree_max([acc_s[i] for i in range(n_s) if (i // 2) % 2 == r])
+            m_true[r] = cute.arch.fmax(m_true[r], m_loc[r])  # the quad's max at the epilogue
         m_use = cute.make_rmem_tensor((2,), Float32)
         scale_row = cute.make_rmem_tensor((2,), Float32)
-        # The row max (over the quad of threads that share a row) only matters when it moves
-        # the reference max, so its shuffles are skipped when no thread of the warp holds a
-        # logit past the threshold below (the usual case after a row's first blocks).
-        m_row = cute.make_rmem_tensor((2,), Float32)
-        grow = ((m_loc[0] - m_cur[0]) * scale_log2 > 8.0
-                or (m_loc[1] - m_cur[1]) * scale_log2 > 8.0)
         for r in cutlass.range_constexpr(2):
-            m_true[r] = cute.arch.fmax(m_true[r], m_loc[r])  # the quad's max at the epilogue
-            m_row[r] = m_cur[r]
-        if cute.arch.vote_any_sync(grow):
+            scale_row[r] = Float32(1.0)
+            m_use[r] = m_use0[r]
+        # Conditional rescaling (FlashAttention-4): keep the chain's reference max unless this
+        # block's exceeds it by more than 2^8 in P, so O and l are rarely rescaled; P up to 2^8
+        # is safe in fp32 and bf16. The row max (over the quad of threads that share a row) only
+        # matters when it moves the reference max, so its shuffles are skipped when no thread
+        # of the warp holds a logit past the threshold (the usual case after a row's first
+        # blocks).
+        if cute.arch.vote_any_sync(m_loc[0] > thr[0] or m_loc[1] > thr[1]):
             for r in cutlass.range_constexpr(2):
                 m = m_loc[r]
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
-                m_row[r] = m
-        for r in cutlass.range_constexpr(2):
-            m = m_row[r]
-            # Conditional rescaling (FlashAttention-4): keep the chain's reference max unless
-            # this block's exceeds it by more than 2^8 in P, so O and l are rarely rescaled;
-            # P up to 2^8 is safe in fp32 and bf16.
-            m_new = m_cur[r]
-            if (m - m_cur[r]) * scale_log2 > 8.0:
-                m_new = m
-            if lane % 4 == 0:
-                sMax[w, rows[r]] = m_new
-            mu = m_new
-            if m_new == -math.inf:
-                mu = Float32(0.0)
-            scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
-            m_use[r] = mu * scale_log2
-            m_cur[r] = m_new
+                m_new = m_cur[r]
+                if (m - m_cur[r]) * scale_log2 > 8.0:
+                    m_new = m
+                if lane % 4 == 0:
+                    sMax[w, rows[r]] = m_new
+                mu = m_new
+                if m_new == -math.inf:
+                    mu = Float32(0.0)
+                scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+                m_use[r] = mu * scale_log2
+                m_cur[r] = m_new
         psum = cute.make_rmem_tensor((2,), Float32)
         psum.fill(0.0)
         part = n_s // P_PARTS  # accumulator elements (and P elements) per part
