@@ -824,7 +824,11 @@ class SparseMlaFwdSm90:
                     mu = m_new
                     if m_new == -math.inf:
                         mu = Float32(0.0)
-                    scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+                    # the usual case (the max stayed) skips the exp2, which is on the chain here
+                    # (O and l are still 0 while the max is -inf, so 1 serves there too)
+                    scale_row[r] = Float32(1.0)
+                    if m_new != m_cur[r]:
+                        scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
                     m_cur[r] = m_new
                     l_sum[r] = l_sum[r] * scale_row[r]
                 self._rescale(acc_o, scale_row)
