@@ -33,9 +33,10 @@ as soon as the part is out, so it runs while the softmax computes the next part.
 P V of block n - 1 is issued between the two halves of S_n, so the stage part it reads goes
 back to the producer as soon as it is done. The max moves only when a block's exceeds it by
 more than 2^8 in P, so O is rarely rescaled, and the row max's shuffles are skipped when no
-thread of a warp holds a logit past that threshold (a warp vote). Stage parts are released as
-soon as their readers are done: the owner's V half after its own P V, the other half (and P)
-after the other WG's.
+thread of a warp holds a logit past that threshold (a warp vote); what that usual case needs is
+computed before S is done, and the other WG skips its rescale when the max stayed. Stage parts
+are released as soon as their readers are done: the owner's V half after its own P V, the other
+half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
 finish; the next tile's Q and row ids are prefetched into L2 when a tile starts. Both WGs
