@@ -708,10 +708,7 @@ class SparseMlaFwdSm90:
         m_use0 = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
             thr[r] = m_cur[r] + 8.0 / scale_log2
-            mu0 = m_cur[r]
-            if mu0 == -math.inf:
-                mu0 = Float32(0.0)
-            m_use0[r] = mu0 * scale_log2
+            m_use0[r] = self._ref(m_cur[r]) * scale_log2
             if lane % 4 == 0:
                 sMax[w, rows[r]] = m_cur[r]
         cute.arch.mbarrier_wait(full_rest + w, ph)
@@ -756,11 +753,7 @@ class SparseMlaFwdSm90:
                     m_new = m
                 if lane % 4 == 0:
                     sMax[w, rows[r]] = m_new
-                mu = m_new
-                if m_new == -math.inf:
-                    mu = Float32(0.0)
-                scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
-                m_use[r] = mu * scale_log2
+                scale_row[r], m_use[r] = self._rebase(m_cur[r], m_new, scale_log2)
                 m_cur[r] = m_new
         psum = cute.make_rmem_tensor((2,), Float32)
         psum.fill(0.0)
@@ -798,6 +791,26 @@ class SparseMlaFwdSm90:
                                 cute.make_layout((4, n), stride=t.layout.stride))
 
     @cute.jit
+    def _ref(self, m: Float32) -> Float32:
+        """What a row's P is taken relative to: its reference max, or 0 while that is -inf (no
+        valid slot yet), so that P is 0, not NaN."""
+        mu = m
+        if m == -math.inf:
+            mu = Float32(0.0)
+        return mu
+
+    @cute.jit
+    def _rebase(self, m_old: Float32, m_new: Float32, scale_log2: Float32):
+        """Moving a row's reference max from m_old to m_new: the factor for its O and l, and the
+        exp2 offset of its P. The factor is 1 without an exp2 when the max stayed (also while it
+        is -inf: O and l are still 0 then)."""
+        mu = self._ref(m_new)
+        scale = Float32(1.0)
+        if m_new != m_old:
+            scale = _ex2((m_old - mu) * scale_log2)
+        return scale, mu * scale_log2
+
+    @cute.jit
     def _rescale(self, acc_o: cute.Tensor, scale_row: cute.Tensor):
         """O rows *= their factor, skipped for the (usual) factor 1."""
         for r in cutlass.range_constexpr(2):
@@ -822,14 +835,8 @@ class SparseMlaFwdSm90:
                 scale_row = cute.make_rmem_tensor((2,), Float32)
                 for r in cutlass.range_constexpr(2):
                     m_new = sMax[o, rows[r]]
-                    mu = m_new
-                    if m_new == -math.inf:
-                        mu = Float32(0.0)
                     # the usual case (the max stayed) skips the exp2, which is on the chain here
-                    # (O and l are still 0 while the max is -inf, so 1 serves there too)
-                    scale_row[r] = Float32(1.0)
-                    if m_new != m_cur[r]:
-                        scale_row[r] = _ex2((m_cur[r] - mu) * scale_log2)
+                    scale_row[r], _ = self._rebase(m_cur[r], m_new, scale_log2)
                     m_cur[r] = m_new
                     l_sum[r] = l_sum[r] * scale_row[r]
                 self._rescale(acc_o, scale_row)
