@@ -198,6 +198,7 @@ def _swizzled_byte_offset(row, col, rows):
 
 _PV_K_STEPS = tuple(range(TILE_N // 16))
 assert len(_PV_K_STEPS) % P_PARTS == 0  # each part of P is whole k steps
+_STEPS_PER_PART = len(_PV_K_STEPS) // P_PARTS
 
 
 def _s_k_steps(w: int, d: int):
@@ -780,15 +781,13 @@ class SparseMlaFwdSm90:
     @staticmethod
     def _p_k_steps(j: int):
         """k steps of the P V product that part j of P feeds."""
-        n = len(_PV_K_STEPS) // P_PARTS
-        return _PV_K_STEPS[j * n:(j + 1) * n]
+        return _PV_K_STEPS[j * _STEPS_PER_PART:(j + 1) * _STEPS_PER_PART]
 
     @staticmethod
     def _p_words(t: cute.Tensor, j: int):
         """Part j of a thread's P words (a (4, 4) view, one column of 4 words per k step)."""
-        n = len(_PV_K_STEPS) // P_PARTS
-        return cute.make_tensor(t.iterator + j * n * t.layout.stride[1],
-                                cute.make_layout((4, n), stride=t.layout.stride))
+        return cute.make_tensor(t.iterator + j * _STEPS_PER_PART * t.layout.stride[1],
+                                cute.make_layout((4, _STEPS_PER_PART), stride=t.layout.stride))
 
     @cute.jit
     def _ref(self, m: Float32) -> Float32:
