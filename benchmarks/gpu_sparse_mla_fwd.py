@@ -55,8 +55,11 @@ def module_path():
 
 
 class Kernel:
-    def __init__(self):
-        self.lib = ctypes.CDLL(module_path())
+    """The forward's raw bench entry in jax_dsa's CUDA module, or in another build of it (path:
+    a shared library from ``build_fwd_variant.sh``)."""
+
+    def __init__(self, path=None):
+        self.lib = ctypes.CDLL(path or module_path())
         f = self.lib.jax_dsa_sparse_mla_fwd_raw_bench
         f.restype = ctypes.c_int
         P, I = ctypes.c_void_p, ctypes.c_int
@@ -261,24 +264,28 @@ def end_to_end(results):
     return ok
 
 
+# The accuracy list (fresh random inputs each run); "ctas" caps the persistent grid so that each
+# CTA walks many tiles of varied lengths.
+ACCURACY_CASES = [
+    ("H64 D576 K128 sink lengths", dict(s_q=67, s_kv=500, h=64, d=576, k=128, empty_rows=(5,), lengths=True)),
+    ("H128 D576 K2048 S_kv<K no-sink", dict(s_q=33, s_kv=1000, h=128, d=576, k=2048, empty_rows=(6,), sink="-inf")),
+    ("H64 D512 K640 sink lengths", dict(s_q=70, s_kv=3000, h=64, d=512, k=640, empty_rows=(5, 9), lengths=True)),
+    ("H128 D512 K256 mixed sinks", dict(s_q=65, s_kv=200, h=128, d=512, k=256, empty_rows=(7,), sink="mixed")),
+    ("H64 D576 K2048 all valid", dict(s_q=20, s_kv=70000, h=64, d=576, k=2048, all_valid=True, sink="-inf")),
+    ("H128 D576 K192 S_kv 32 lengths", dict(s_q=129, s_kv=32, h=128, d=576, k=192, lengths=True)),
+    ("H64 D576 K640 lengths, 5 CTAs", dict(s_q=150, s_kv=3000, h=64, d=576, k=640, empty_rows=(5, 17, 18), lengths=True, ctas=5)),
+    ("H128 D512 K256 mixed sinks lengths, 7 CTAs", dict(s_q=65, s_kv=900, h=128, d=512, k=256, empty_rows=(7, 8), sink="mixed", lengths=True, ctas=7)),
+    ("H64 D512 K128 lengths, 3 CTAs", dict(s_q=97, s_kv=300, h=64, d=512, k=128, empty_rows=(3,), lengths=True, ctas=3)),
+    ("H64 D576 K1024 lengths, 600 rows", dict(s_q=600, s_kv=5000, h=64, d=576, k=1024, empty_rows=(9,), lengths=True)),
+]
+
+
 def accuracy(kern, results):
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = [
-        ("H64 D576 K128 sink lengths", dict(s_q=67, s_kv=500, h=64, d=576, k=128, empty_rows=(5,), lengths=True)),
-        ("H128 D576 K2048 S_kv<K no-sink", dict(s_q=33, s_kv=1000, h=128, d=576, k=2048, empty_rows=(6,), sink="-inf")),
-        ("H64 D512 K640 sink lengths", dict(s_q=70, s_kv=3000, h=64, d=512, k=640, empty_rows=(5, 9), lengths=True)),
-        ("H128 D512 K256 mixed sinks", dict(s_q=65, s_kv=200, h=128, d=512, k=256, empty_rows=(7,), sink="mixed")),
-        ("H64 D576 K2048 all valid", dict(s_q=20, s_kv=70000, h=64, d=576, k=2048, all_valid=True, sink="-inf")),
-        ("H128 D576 K192 S_kv 32 lengths", dict(s_q=129, s_kv=32, h=128, d=576, k=192, lengths=True)),
-        # the kernel is persistent: few CTAs make each walk many tiles of varied lengths
-        ("H64 D576 K640 lengths, 5 CTAs", dict(s_q=150, s_kv=3000, h=64, d=576, k=640, empty_rows=(5, 17, 18), lengths=True, ctas=5)),
-        ("H128 D512 K256 mixed sinks lengths, 7 CTAs", dict(s_q=65, s_kv=900, h=128, d=512, k=256, empty_rows=(7, 8), sink="mixed", lengths=True, ctas=7)),
-        ("H64 D512 K128 lengths, 3 CTAs", dict(s_q=97, s_kv=300, h=64, d=512, k=128, empty_rows=(3,), lengths=True, ctas=3)),
-        ("H64 D576 K1024 lengths, 600 rows", dict(s_q=600, s_kv=5000, h=64, d=576, k=1024, empty_rows=(9,), lengths=True)),
-    ]
     ok = True
     first = None
-    for name, kw in cases:
+    for name, kw in ACCURACY_CASES:
+        kw = dict(kw)
         ctas = kw.pop("ctas", 0)
         case = make_case(gen, **kw)
         first = first or case
@@ -387,7 +394,7 @@ def speed(kern, iters):
     return rows, mm_before, mm_after
 
 
-class _ClockSampler:
+class ClockSampler:
     """nvidia-smi samples (SM clock MHz, power W) in a thread, tagged with the phase running."""
 
     def __init__(self):
@@ -422,19 +429,12 @@ class _ClockSampler:
         self._thread.join(timeout=15)
 
 
-def steady(kern, seconds=0.4, rounds=6):
-    """The kernel against the matmul in the same power state: the card is power-capped (both run
-    at its ~700 W limit and lose clock), so each is timed back to back for the same wall time,
-    alternating in rounds (either one first) after a warm-up; medians of the per-launch CUDA-event
-    times and their ratio. The matmul's launches are queued without a host sync; the raw kernel
-    entry syncs after each launch (a gap of some microseconds per 2.7-8 ms launch). The SM clock
-    and power are nvidia-smi's readings during each phase (its power is a running average, so
-    the phases' powers blur into each other)."""
-    gen = torch.Generator().manual_seed(4)
+def matmul_seq():
+    """A function n -> the CUDA-event times (ms) of n bf16 8192^3 matmuls queued back to back."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
-    def mm_seq(n):
+    def run(n):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         ev[0].record()
         for i in range(n):
@@ -443,47 +443,73 @@ def steady(kern, seconds=0.4, rounds=6):
         ev[-1].synchronize()
         return [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
 
-    sampler = _ClockSampler()
+    return run
+
+
+def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6):
+    """Kernels (a dict name -> Kernel) against the matmul in the same power state: the card is
+    power-capped (all run at its ~700 W limit and lose clock), so each is timed back to back for
+    the same wall time, in rounds whose order rotates (matmul first in the first round), after a
+    warm-up; medians of the per-launch CUDA-event times. The matmul's launches are queued without
+    a host sync; the raw kernel entry syncs after each launch (a gap of some microseconds per
+    2.7-8 ms launch). The SM clock and power are nvidia-smi's readings during each phase (its
+    power is a running average, so the phases' powers blur into each other). One row per shape:
+    the matmul's figures and, under "builds", each kernel's."""
+    gen = torch.Generator().manual_seed(4)
+    mm_seq = matmul_seq()
+    sampler = ClockSampler()
     rows = []
     try:
-        for name, kw in SHAPES:
+        for shape, kw in shapes:
             q, kv, idx, length, att = make_case(gen, all_valid=True, **kw)
             out = torch.empty((kw["s_q"], kw["h"], D_V), dtype=torch.bfloat16, device="cuda")
             lse = torch.empty((kw["s_q"], kw["h"]), device="cuda")
             mx = torch.empty_like(lse)
-            t_k = float(np.median(kern.run(q, kv, idx, length, att, out, lse, mx, 0.1, iters=5)))
-            t_mm = float(np.median(mm_seq(5)))
-            n_k, n_mm = max(10, int(seconds * 1e3 / t_k)), max(10, int(seconds * 1e3 / t_mm))
+            args = (q, kv, idx, length, att, out, lse, mx, 0.1)
+            t_k = float(np.median(next(iter(kerns.values())).run(*args, iters=5)))
+            n_k = max(10, int(seconds * 1e3 / t_k))
+            n_mm = max(10, int(seconds * 1e3 / float(np.median(mm_seq(5)))))
             mm_seq(n_mm)  # warm-up into the power-capped state
-            ms_k, ms_mm = [], []
+            order = ["matmul"] + list(kerns)
+            ms = {what: [] for what in order}
             for r in range(rounds):
-                for what in (("mm", "kernel") if r % 2 == 0 else ("kernel", "mm")):
-                    sampler.phase = (what, name)
-                    if what == "mm":
-                        ms_mm += mm_seq(n_mm)
-                    else:
-                        ms_k += list(kern.run(q, kv, idx, length, att, out, lse, mx, 0.1,
-                                              iters=n_k))
+                for what in order[r % len(order):] + order[:r % len(order)]:
+                    sampler.phase = (what, shape)
+                    ms[what] += (mm_seq(n_mm) if what == "matmul"
+                                 else list(kerns[what].run(*args, iters=n_k)))
                 sampler.phase = None
             time.sleep(0.2)
             fl = 2 * kw["h"] * (kw["d"] + D_V) * kw["s_q"] * kw["k"]
-            k_tf = fl / (np.median(ms_k) * 1e-3) / 1e12
-            mm_tf = 2 * 8192**3 / (np.median(ms_mm) * 1e-3) / 1e12
-            rows.append(dict(shape=name, s_q=kw["s_q"], s_kv=kw["s_kv"], h=kw["h"], d_qk=kw["d"],
-                             k=kw["k"], sink=kw["sink"] != "-inf", kernel_runs=len(ms_k),
-                             matmul_runs=len(ms_mm), kernel_median_ms=float(np.median(ms_k)),
-                             kernel_tflops=float(k_tf), matmul_tflops=float(mm_tf),
-                             fraction_of_matmul=float(k_tf / mm_tf),
-                             kernel_power=sampler.summary(("kernel", name)),
-                             matmul_power=sampler.summary(("mm", name))))
-            r = rows[-1]
-            print(f"steady ({name}): kernel {r['kernel_median_ms']:.3f} ms {k_tf:.0f} TFLOP/s "
-                  f"({r['kernel_power']}), matmul {mm_tf:.0f} TFLOP/s ({r['matmul_power']}): "
-                  f"{k_tf / mm_tf:.3f}", flush=True)
+            mm_tf = 2 * 8192**3 / (np.median(ms["matmul"]) * 1e-3) / 1e12
+            row = dict(shape=shape, s_q=kw["s_q"], s_kv=kw["s_kv"], h=kw["h"], d_qk=kw["d"],
+                       k=kw["k"], sink=kw["sink"] != "-inf", matmul_runs=len(ms["matmul"]),
+                       matmul_tflops=float(mm_tf), matmul_power=sampler.summary(("matmul", shape)),
+                       builds={})
+            for name in kerns:
+                tf = fl / (np.median(ms[name]) * 1e-3) / 1e12
+                row["builds"][name] = dict(median_ms=float(np.median(ms[name])),
+                                           runs=len(ms[name]), tflops=float(tf),
+                                           fraction_of_matmul=float(tf / mm_tf),
+                                           power=sampler.summary((name, shape)))
+            rows.append(row)
             del q, kv, idx, out
             torch.cuda.empty_cache()
     finally:
         sampler.stop()
+    return rows
+
+
+def steady(kern, seconds=0.4, rounds=6):
+    """This build's kernel against the matmul in the same power state (steady_many)."""
+    rows = []
+    for r in steady_many({"kernel": kern}, SHAPES, seconds, rounds):
+        k = r.pop("builds")["kernel"]
+        rows.append(dict(r, kernel_runs=k["runs"], kernel_median_ms=k["median_ms"],
+                         kernel_tflops=k["tflops"], fraction_of_matmul=k["fraction_of_matmul"],
+                         kernel_power=k["power"]))
+        print(f"steady ({r['shape']}): kernel {k['median_ms']:.3f} ms {k['tflops']:.0f} TFLOP/s "
+              f"({k['power']}), matmul {r['matmul_tflops']:.0f} TFLOP/s ({r['matmul_power']}): "
+              f"{k['fraction_of_matmul']:.3f}", flush=True)
     return rows
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds one variant of the SM90 sparse MLA forward as a standalone shared library that holds only
+# the forward's raw bench entry (no nanobind module, no backward), for same-process comparisons on
+# a GPU machine with gpu_sparse_mla_fwd_variants.py. No GPU is needed; ~30 s on two cores.
+#
+#   benchmarks/build_fwd_variant.sh NAME [KERNEL_SOURCE]
+#
+# KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd_sm90.py with the change to measure (default:
+# the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of the four
+# exported kernel objects: two builds with equal checksums are the same kernel). Needs the set-up's
+# .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
+set -euo pipefail
+[ $# -ge 1 ] || { sed -n '2,12p' "$0"; exit 2; }
+name=$1
+root=$(cd "$(dirname "$0")/.." && pwd)
+src=$(realpath "${2:-$root/ffi/cuda/sparse_mla_fwd_sm90.py}")
+py=$root/.venv/bin/python
+[ -x "$py" ] || { echo "build_fwd_variant: run scripts/setup.sh first (no .venv)" >&2; exit 1; }
+# the CUDA toolkit: CUDA_HOME, else the folder above nvcc's, else /usr/local/cuda
+cuda_home=${CUDA_HOME:-}
+for cand in "$cuda_home" "$(dirname "$(dirname "$(command -v nvcc || echo /x/x/x)")")" /usr/local/cuda; do
+  if [ -n "$cand" ] && [ -f "$cand/include/cuda_runtime.h" ]; then cuda_home=$cand; break; fi
+done
+[ -f "$cuda_home/include/cuda_runtime.h" ] ||
+  { echo "build_fwd_variant: no CUDA toolkit found (set CUDA_HOME)" >&2; exit 1; }
+site=$("$py" -c 'import jaxlib, os; print(os.path.dirname(os.path.dirname(jaxlib.__file__)))')
+dsl_runtime=$site/nvidia_cutlass_dsl/cu13/lib/libcuda_dialect_runtime_static.a
+out=$root/build/fwd_variants/$name
+gen=$out/gen
+rm -rf "$out"
+mkdir -p "$gen/src" "$gen/obj"
+# the export script imports the kernel module from its own folder
+cp "$root/ffi/cuda/export_sparse_mla_fwd.py" "$gen/src/"
+cp "$src" "$gen/src/sparse_mla_fwd_sm90.py"
+"$py" "$gen/src/export_sparse_mla_fwd.py" --out-dir "$gen/obj" --jobs 2 >"$gen/export.log" 2>&1 ||
+  { tail -30 "$gen/export.log" >&2; exit 1; }
+g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
+  -I "$root/ffi" -I "$gen/obj" -isystem "$site/jaxlib/include" -isystem "$cuda_home/include" \
+  "$root/ffi/cuda/sparse_mla_fwd_cuda.cc" "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
+  "$dsl_runtime" "$cuda_home/lib64/libcudart_static.a" -lpthread -ldl -lrt
+(cd "$gen/obj" && md5sum -- *.o) >"$out/md5.txt"
+rm -rf "$gen"
+echo "build_fwd_variant: $out/libfwd.so"
+cat "$out/md5.txt"
