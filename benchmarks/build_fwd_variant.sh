@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds one variant of the SM90 sparse MLA forward as a standalone shared library that holds only
 # the forward's raw bench entry (no nanobind module, no backward), for same-process comparisons on
-# a GPU machine with gpu_sparse_mla_fwd_variants.py. No GPU is needed; ~30 s on two cores.
+# a GPU machine with gpu_sparse_mla_fwd_variants.py. No GPU is needed; 30-60 s on two cores.
 #
 #   benchmarks/build_fwd_variant.sh NAME [KERNEL_SOURCE]
 #
@@ -10,10 +10,16 @@
 # exported kernel objects: two builds with equal checksums are the same kernel). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,12p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,11p' "$0" >&2; exit 2; }
 name=$1
+case $name in
+  "" | .* | */* | matmul) echo "build_fwd_variant: NAME '$name' must be a plain file name (not matmul)" >&2
+                          exit 2 ;;
+esac
 root=$(cd "$(dirname "$0")/.." && pwd)
-src=$(realpath "${2:-$root/ffi/cuda/sparse_mla_fwd_sm90.py}")
+src=${2:-$root/ffi/cuda/sparse_mla_fwd_sm90.py}
+[ -f "$src" ] || { echo "build_fwd_variant: no kernel source $src" >&2; exit 2; }
+src=$(realpath "$src")
 py=$root/.venv/bin/python
 [ -x "$py" ] || { echo "build_fwd_variant: run scripts/setup.sh first (no .venv)" >&2; exit 1; }
 # the CUDA toolkit: CUDA_HOME, else the folder above nvcc's, else /usr/local/cuda

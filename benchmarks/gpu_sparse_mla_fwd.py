@@ -446,15 +446,17 @@ def matmul_seq():
     return run
 
 
-def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6):
+def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6, report=None):
     """Kernels (a dict name -> Kernel) against the matmul in the same power state: the card is
     power-capped (all run at its ~700 W limit and lose clock), so each is timed back to back for
-    the same wall time, in rounds whose order rotates (matmul first in the first round), after a
-    warm-up; medians of the per-launch CUDA-event times. The matmul's launches are queued without
-    a host sync; the raw kernel entry syncs after each launch (a gap of some microseconds per
-    2.7-8 ms launch). The SM clock and power are nvidia-smi's readings during each phase (its
-    power is a running average, so the phases' powers blur into each other). One row per shape:
-    the matmul's figures and, under "builds", each kernel's."""
+    the same wall time, in rounds after a warm-up: the matmul first in the first round, each
+    round in the reverse order of the one before, and with more than one kernel the starting
+    point moving on every two rounds, so that no kernel always runs right after the same phase;
+    medians of the per-launch CUDA-event times. The matmul's launches are queued without a host
+    sync; the raw kernel entry syncs after each launch (a gap of some microseconds per 2.7-8 ms
+    launch). The SM clock and power are nvidia-smi's readings during each phase (its power is a
+    running average, so the phases' powers blur into each other). One row per shape (passed to
+    report as it is done): the matmul's figures and, under "builds", each kernel's."""
     gen = torch.Generator().manual_seed(4)
     mm_seq = matmul_seq()
     sampler = ClockSampler()
@@ -466,14 +468,17 @@ def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6):
             lse = torch.empty((kw["s_q"], kw["h"]), device="cuda")
             mx = torch.empty_like(lse)
             args = (q, kv, idx, length, att, out, lse, mx, 0.1)
-            t_k = float(np.median(next(iter(kerns.values())).run(*args, iters=5)))
-            n_k = max(10, int(seconds * 1e3 / t_k))
+            # five launches of each kernel to warm it up; the first kernel's set the phase length
+            t_k = [float(np.median(kern.run(*args, iters=5))) for kern in kerns.values()]
+            n_k = max(10, int(seconds * 1e3 / t_k[0]))
             n_mm = max(10, int(seconds * 1e3 / float(np.median(mm_seq(5)))))
             mm_seq(n_mm)  # warm-up into the power-capped state
             order = ["matmul"] + list(kerns)
             ms = {what: [] for what in order}
             for r in range(rounds):
-                for what in order[r % len(order):] + order[:r % len(order)]:
+                start = (r // 2) % len(order) if len(order) > 2 else 0
+                seq = order[start:] + order[:start]
+                for what in (seq if r % 2 == 0 else seq[::-1]):
                     sampler.phase = (what, shape)
                     ms[what] += (mm_seq(n_mm) if what == "matmul"
                                  else list(kerns[what].run(*args, iters=n_k)))
@@ -492,7 +497,9 @@ def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6):
                                            fraction_of_matmul=float(tf / mm_tf),
                                            power=sampler.summary((name, shape)))
             rows.append(row)
-            del q, kv, idx, out
+            if report:
+                report(row)
+            del args, q, kv, idx, out
             torch.cuda.empty_cache()
     finally:
         sampler.stop()
@@ -501,15 +508,19 @@ def steady_many(kerns, shapes=SHAPES, seconds=0.4, rounds=6):
 
 def steady(kern, seconds=0.4, rounds=6):
     """This build's kernel against the matmul in the same power state (steady_many)."""
+
+    def show(r):
+        k = r["builds"]["kernel"]
+        print(f"steady ({r['shape']}): kernel {k['median_ms']:.3f} ms {k['tflops']:.0f} TFLOP/s "
+              f"({k['power']}), matmul {r['matmul_tflops']:.0f} TFLOP/s ({r['matmul_power']}): "
+              f"{k['fraction_of_matmul']:.3f}", flush=True)
+
     rows = []
-    for r in steady_many({"kernel": kern}, SHAPES, seconds, rounds):
+    for r in steady_many({"kernel": kern}, SHAPES, seconds, rounds, report=show):
         k = r.pop("builds")["kernel"]
         rows.append(dict(r, kernel_runs=k["runs"], kernel_median_ms=k["median_ms"],
                          kernel_tflops=k["tflops"], fraction_of_matmul=k["fraction_of_matmul"],
                          kernel_power=k["power"]))
-        print(f"steady ({r['shape']}): kernel {k['median_ms']:.3f} ms {k['tflops']:.0f} TFLOP/s "
-              f"({k['power']}), matmul {r['matmul_tflops']:.0f} TFLOP/s ({r['matmul_power']}): "
-              f"{k['fraction_of_matmul']:.3f}", flush=True)
     return rows
 
 

@@ -4,13 +4,15 @@ Each build is a library from ``build_fwd_variant.sh`` (``build/fwd_variants/NAME
 ``NAME@k`` loads a byte copy of NAME under another file name, whose spread against NAME shows the
 noise of the call. Every build (not the copies) first runs the float64 accuracy list of
 ``gpu_sparse_mla_fwd.py``; then, shape by shape, every build and a bf16 8192^3 matmul are timed
-back to back for the same wall time each, in rounds whose order rotates, so that all run in the same
-power state (the H200 holds its power cap under each; see ``gpu_sparse_mla_fwd.steady``). Reported:
-median TFLOP/s of each, its fraction of the matmul, its change against the first build, and the SM
-clock and power seen meanwhile.
+back to back for the same wall time each, in rounds of changing order, so that all run in the same
+power state (the H200 holds its power cap under each; see ``gpu_sparse_mla_fwd.steady_many``).
+Reported: median TFLOP/s of each, its fraction of the matmul, its change against the first build,
+and the SM clock and power seen meanwhile.
 
     python benchmarks/gpu_sparse_mla_fwd_variants.py --out runs.json main main@1 change1 change2
-        [--rounds 4] [--seconds 0.4] [--shapes abc] [--skip-accuracy] [--l2-persisting MiB|max]
+        [--rounds N] [--seconds 0.4] [--shapes abc] [--skip-accuracy] [--l2-persisting MiB|max]
+
+(build/ is git-ignored: a remote GPU machine needs build/fwd_variants sent with the checkout.)
 
 ``--l2-persisting`` sets the CUDA limit cudaLimitPersistingL2CacheSize (the share of the L2 that
 lines marked evict_last, such as the kernel's kv rows, may keep) for the whole process first (needs
@@ -40,6 +42,8 @@ def load_builds(names, tmp):
     kerns, md5 = {}, {}
     for n in names:
         base = n.split("@")[0]
+        if base == "matmul":
+            raise SystemExit("gpu_sparse_mla_fwd_variants: 'matmul' names the reference, not a build")
         path = os.path.join(root, base, "libfwd.so")
         if not os.path.exists(path):
             raise SystemExit(f"gpu_sparse_mla_fwd_variants: {path} missing: run "
@@ -85,21 +89,20 @@ def set_persisting_l2(value):
     return found, rt.deviceGetLimit(_LIMIT_PERSISTING_L2)
 
 
-def report(rows):
-    for row in rows:
-        base = next(iter(row["builds"].values()))["tflops"]
-        print(f"({row['shape']}) matmul {row['matmul_tflops']:.0f} TFLOP/s | " + " | ".join(
-            f"{n} {v['tflops']:.0f} {v['fraction_of_matmul']:.3f} "
-            f"{100 * (v['tflops'] / base - 1):+.1f}% "
-            f"@{v['power'].get('sm_clock_mhz_median', float('nan')):.0f} MHz"
-            for n, v in row["builds"].items()), flush=True)
+def report(row):
+    base = next(iter(row["builds"].values()))["tflops"]
+    print(f"({row['shape']}) matmul {row['matmul_tflops']:.0f} TFLOP/s | " + " | ".join(
+        f"{n} {v['tflops']:.0f} {v['fraction_of_matmul']:.3f} "
+        f"{100 * (v['tflops'] / base - 1):+.1f}% "
+        f"@{v['power'].get('sm_clock_mhz_median', float('nan')):.0f} MHz"
+        for n, v in row["builds"].items()), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME or NAME@k (a copy); the first is the control")
     ap.add_argument("--out")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=0, help="default: twice (builds + 1)")
     ap.add_argument("--seconds", type=float, default=0.4, help="wall time of each timed phase")
     ap.add_argument("--shapes", default="abc", help="which of issue 7's shapes (a, b, c)")
     ap.add_argument("--skip-accuracy", action="store_true")
@@ -118,8 +121,9 @@ def main():
             for n, a in res["accuracy"].items():
                 print(f"{'PASS' if a['passed'] else 'FAIL'} {n}: {a}", flush=True)
         shapes = [s for s in bench.SHAPES if s[0] in args.shapes]
-        res["steady"] = bench.steady_many(kerns, shapes, args.seconds, args.rounds)
-        report(res["steady"])
+        # every phase starts each round once, in both directions (see steady_many)
+        rounds = args.rounds or 2 * (len(kerns) + 1)
+        res["steady"] = bench.steady_many(kerns, shapes, args.seconds, rounds, report=report)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
