@@ -121,7 +121,7 @@ def main():
             for n, a in res["accuracy"].items():
                 print(f"{'PASS' if a['passed'] else 'FAIL'} {n}: {a}", flush=True)
         shapes = [s for s in bench.SHAPES if s[0] in args.shapes]
-        # every phase starts each round once, in both directions (see steady_many)
+        # each rotation of the phase order once forward and once reversed (see steady_many)
         rounds = args.rounds or 2 * (len(kerns) + 1)
         res["steady"] = bench.steady_many(kerns, shapes, args.seconds, rounds, report=report)
     if args.out:
