@@ -280,7 +280,9 @@ ACCURACY_CASES = [
 ]
 
 
-def accuracy(kern, results):
+def accuracy_list(kern, results, label=""):
+    """ACCURACY_CASES on fresh random inputs against the float64 reference; returns (all passed,
+    the first case's inputs)."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     ok = True
     first = None
@@ -289,7 +291,12 @@ def accuracy(kern, results):
         ctas = kw.pop("ctas", 0)
         case = make_case(gen, **kw)
         first = first or case
-        ok &= check_case(kern, name, case, 1.0 / math.sqrt(kw["d"]) * 1.3, results, ctas)
+        ok &= check_case(kern, label + name, case, 1.0 / math.sqrt(kw["d"]) * 1.3, results, ctas)
+    return ok, first
+
+
+def accuracy(kern, results):
+    ok, first = accuracy_list(kern, results)
     ok &= jax_path_check(first, 0.07, kern)
     try:
         ok &= end_to_end(results)
