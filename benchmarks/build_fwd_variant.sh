@@ -7,7 +7,7 @@
 #
 # KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd_sm90.py with the change to measure (default:
 # the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of the four
-# exported kernel objects: two builds with equal checksums are the same kernel). Needs the set-up's
+# kernels' device code: two builds with equal checksums are the same kernel). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
 [ $# -ge 1 ] || { sed -n '2,11p' "$0" >&2; exit 2; }
@@ -44,7 +44,19 @@ g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
   -I "$root/ffi" -I "$gen/obj" -isystem "$site/jaxlib/include" -isystem "$cuda_home/include" \
   "$root/ffi/cuda/sparse_mla_fwd_cuda.cc" "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
   "$dsl_runtime" "$cuda_home/lib64/libcudart_static.a" -lpthread -ldl -lrt
-(cd "$gen/obj" && md5sum -- *.o) >"$out/md5.txt"
+# Checksums of the device code: each object embeds its cubin (an ELF image) next to host code that
+# the DSL compiles for the build machine's CPU, so whole-object checksums differ between machines.
+"$py" - "$gen/obj" >"$out/md5.txt" <<'PY'
+import glob, hashlib, os, struct, sys
+for obj in sorted(glob.glob(os.path.join(sys.argv[1], "*.o"))):
+    data = open(obj, "rb").read()
+    i = data.find(b"\x7fELF", 4)  # the first ELF image after the object's own header
+    assert i > 0 and struct.unpack_from("<H", data, i + 0x12)[0] == 190, obj  # EM_CUDA
+    shoff, = struct.unpack_from("<Q", data, i + 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, i + 0x3A)
+    cubin = data[i:i + shoff + shentsize * shnum]
+    print(hashlib.md5(cubin).hexdigest(), os.path.basename(obj) + ":cubin")
+PY
 rm -rf "$gen"
 echo "build_fwd_variant: $out/libfwd.so"
 cat "$out/md5.txt"

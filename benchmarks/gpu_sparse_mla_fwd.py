@@ -168,8 +168,9 @@ def check_case(kern, name, case, sm_scale, results, max_ctas=0, sample=0, gen=No
                          and torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
                          and torch.equal(mx.view(torch.int32), mx2.view(torch.int32)))
     written = bool(not out.isnan().any() and not lse.isnan().any() and not mx.isnan().any())
-    rows = (torch.randperm(s_q, generator=gen)[:sample].sort().values if sample
-            else torch.arange(s_q))
+    # sampled: the first 12 rows (duplicates, a zero topk_length, the empty row 11) and more
+    rows = (torch.cat([torch.arange(min(12, s_q)), torch.randperm(s_q, generator=gen)[:sample]])
+            .unique() if sample else torch.arange(s_q))
     ro, rl, rm = reference(q[rows.cuda()], kv, idx[rows.cuda()], length[rows.cuda()], sink,
                            sm_scale)
     o = out[rows.cuda()].double().cpu().numpy()
@@ -287,10 +288,10 @@ ACCURACY_CASES = [
     ("H128 D512 K256 mixed sinks lengths, 7 CTAs", dict(s_q=65, s_kv=900, h=128, d=512, k=256, empty_rows=(7, 8), sink="mixed", lengths=True, ctas=7)),
     ("H64 D512 K128 lengths, 3 CTAs", dict(s_q=97, s_kv=300, h=64, d=512, k=128, empty_rows=(3,), lengths=True, ctas=3)),
     ("H64 D576 K1024 lengths, 600 rows", dict(s_q=600, s_kv=5000, h=64, d=576, k=1024, empty_rows=(9,), lengths=True)),
-    # issue 7's shapes at full size (every CTA walks many tiles); the reference on 48 rows
-    ("(a) full size, 48 rows checked", dict(SHAPES[0][1], empty_rows=(11,), sample=48)),
-    ("(b) full size, 48 rows checked", dict(SHAPES[1][1], empty_rows=(11,), sample=48)),
-    ("(c) full size, 48 rows checked", dict(SHAPES[2][1], empty_rows=(11,), lengths=True, sample=48)),
+    # issue 7's shapes at full size (every CTA walks many tiles); the reference on ~60 rows
+    ("(a) full size, rows sampled", dict(SHAPES[0][1], empty_rows=(11,), sample=48)),
+    ("(b) full size, rows sampled", dict(SHAPES[1][1], empty_rows=(11,), sample=48)),
+    ("(c) full size, rows sampled", dict(SHAPES[2][1], empty_rows=(11,), lengths=True, sample=48)),
 ]
 
 

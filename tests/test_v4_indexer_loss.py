@@ -50,7 +50,8 @@ def _full_lse(x, sparse):
         for t in range(SQ):
             sup = _support(x, b, t, sparse)
             logits = SCALE * x["q"][b, t] @ x["kv"][b, sup].T  # [H, |S|]
-            out[b, t] = np.log(np.exp(x["extra"][b, t]) + np.exp(logits).sum(-1))
+            with np.errstate(divide="ignore"):  # a row with no mass at all: -inf
+                out[b, t] = np.log(np.exp(x["extra"][b, t]) + np.exp(logits).sum(-1))
     return out
 
 
