@@ -7,7 +7,8 @@
 #
 # KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd_sm90.py with the change to measure (default:
 # the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of the four
-# kernels' device code: two builds with equal checksums are the same kernel). Needs the set-up's
+# exported objects and of their device code: equal cubin checksums mean the same device code; the
+# launch settings live in the host code). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
 [ $# -ge 1 ] || { sed -n '2,11p' "$0" >&2; exit 2; }
@@ -44,18 +45,30 @@ g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
   -I "$root/ffi" -I "$gen/obj" -isystem "$site/jaxlib/include" -isystem "$cuda_home/include" \
   "$root/ffi/cuda/sparse_mla_fwd_cuda.cc" "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
   "$dsl_runtime" "$cuda_home/lib64/libcudart_static.a" -lpthread -ldl -lrt
-# Checksums of the device code: each object embeds its cubin (an ELF image) next to host code that
-# the DSL compiles for the build machine's CPU, so whole-object checksums differ between machines.
+# Checksums of each object and of the cubin (CUDA ELF image) it embeds. The objects also hold host
+# code that the DSL compiles for the build machine's CPU, so whole-object checksums are comparable
+# only between builds on one machine; the cubins' are the device code wherever it was built.
 "$py" - "$gen/obj" >"$out/md5.txt" <<'PY'
 import glob, hashlib, os, struct, sys
 for obj in sorted(glob.glob(os.path.join(sys.argv[1], "*.o"))):
     data = open(obj, "rb").read()
-    i = data.find(b"\x7fELF", 4)  # the first ELF image after the object's own header
-    assert i > 0 and struct.unpack_from("<H", data, i + 0x12)[0] == 190, obj  # EM_CUDA
-    shoff, = struct.unpack_from("<Q", data, i + 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, i + 0x3A)
-    cubin = data[i:i + shoff + shentsize * shnum]
-    print(hashlib.md5(cubin).hexdigest(), os.path.basename(obj) + ":cubin")
+    starts = [i for i in range(1, len(data)) if data.startswith(b"\x7fELF", i)]
+    assert len(starts) == 1, f"{obj}: {len(starts)} embedded ELF images"
+    i = starts[0]
+    # ELF64, little-endian, EM_CUDA
+    assert data[i + 4] == 2 and data[i + 5] == 1 and struct.unpack_from("<H", data, i + 0x12)[0] == 190, obj
+    phoff, shoff = struct.unpack_from("<QQ", data, i + 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, i + 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for k in range(shnum):  # and every section's bytes (SHT_NOBITS = 8 has none)
+        sh_type, = struct.unpack_from("<I", data, i + shoff + k * shentsize + 4)
+        off, size = struct.unpack_from("<QQ", data, i + shoff + k * shentsize + 0x18)
+        if sh_type != 8:
+            end = max(end, off + size)
+    assert i + end <= len(data), obj
+    name = os.path.basename(obj)
+    print(hashlib.md5(data).hexdigest(), name)
+    print(hashlib.md5(data[i:i + end]).hexdigest(), name + ":cubin")
 PY
 rm -rf "$gen"
 echo "build_fwd_variant: $out/libfwd.so"

@@ -152,8 +152,9 @@ def make_case(gen, s_q, s_kv, h, d, k, *, invalid=0.15, empty_rows=(), dup=True,
 
 def check_case(kern, name, case, sm_scale, results, max_ctas=0, sample=0, gen=None):
     """One case, launched twice into NaN-poisoned outputs: every output written, the two launches
-    bit-identical, and out / lse / max_logits against the float64 reference (on ``sample``
-    random rows when given: the full-size shapes)."""
+    bit-identical, and out / lse / max_logits against the float64 reference: on every row, or with
+    ``sample`` (the full-size shapes) on the first, middle and last 12 rows and ``sample`` random
+    ones."""
     q, kv, idx, length, sink = case
     s_q, h, d = q.shape
     outs = []
@@ -168,14 +169,15 @@ def check_case(kern, name, case, sm_scale, results, max_ctas=0, sample=0, gen=No
                          and torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
                          and torch.equal(mx.view(torch.int32), mx2.view(torch.int32)))
     written = bool(not out.isnan().any() and not lse.isnan().any() and not mx.isnan().any())
-    # sampled: the first 12 rows (duplicates, a zero topk_length, the empty row 11) and more
-    rows = (torch.cat([torch.arange(min(12, s_q)), torch.randperm(s_q, generator=gen)[:sample]])
-            .unique() if sample else torch.arange(s_q))
-    ro, rl, rm = reference(q[rows.cuda()], kv, idx[rows.cuda()], length[rows.cuda()], sink,
-                           sm_scale)
-    o = out[rows.cuda()].double().cpu().numpy()
-    l = lse[rows.cuda()].double().cpu().numpy()
-    m = mx[rows.cuda()].double().cpu().numpy()
+    # the first rows hold make_case's duplicates and zero topk_length, and land in each CTA's
+    # first tile; the last ones in its last tile (the deferred output store)
+    edges = torch.cat([torch.arange(12), s_q // 2 - 6 + torch.arange(12), s_q - 12 + torch.arange(12)])
+    rows = (torch.cat([edges, torch.randperm(s_q, generator=gen)[:sample]]).unique().cuda()
+            if sample else torch.arange(s_q, device="cuda"))
+    ro, rl, rm = reference(q[rows], kv, idx[rows], length[rows], sink, sm_scale)
+    o = out[rows].double().cpu().numpy()
+    l = lse[rows].double().cpu().numpy()
+    m = mx[rows].double().cpu().numpy()
     rel = float(np.linalg.norm(o - ro) / max(np.linalg.norm(ro), 1e-30))
     fin = np.isfinite(rl)
     lse_err = float(np.abs(l[fin] - rl[fin]).max()) if fin.any() else 0.0
@@ -288,10 +290,10 @@ ACCURACY_CASES = [
     ("H128 D512 K256 mixed sinks lengths, 7 CTAs", dict(s_q=65, s_kv=900, h=128, d=512, k=256, empty_rows=(7, 8), sink="mixed", lengths=True, ctas=7)),
     ("H64 D512 K128 lengths, 3 CTAs", dict(s_q=97, s_kv=300, h=64, d=512, k=128, empty_rows=(3,), lengths=True, ctas=3)),
     ("H64 D576 K1024 lengths, 600 rows", dict(s_q=600, s_kv=5000, h=64, d=576, k=1024, empty_rows=(9,), lengths=True)),
-    # issue 7's shapes at full size (every CTA walks many tiles); the reference on ~60 rows
-    ("(a) full size, rows sampled", dict(SHAPES[0][1], empty_rows=(11,), sample=48)),
-    ("(b) full size, rows sampled", dict(SHAPES[1][1], empty_rows=(11,), sample=48)),
-    ("(c) full size, rows sampled", dict(SHAPES[2][1], empty_rows=(11,), lengths=True, sample=48)),
+    # issue 7's shapes at full size (every CTA walks many tiles); the reference on ~80 rows
+    *((f"({n}) full size, rows sampled",
+       dict(kw, empty_rows=(11, kw["s_q"] // 2, kw["s_q"] - 1), lengths=True, sample=48))
+      for n, kw in SHAPES),
 ]
 
 
