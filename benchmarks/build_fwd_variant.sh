@@ -52,9 +52,8 @@ g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
 import glob, hashlib, os, struct, sys
 for obj in sorted(glob.glob(os.path.join(sys.argv[1], "*.o"))):
     data = open(obj, "rb").read()
-    starts = [i for i in range(1, len(data)) if data.startswith(b"\x7fELF", i)]
-    assert len(starts) == 1, f"{obj}: {len(starts)} embedded ELF images"
-    i = starts[0]
+    i = data.find(b"\x7fELF", 1)  # the object's own header is at 0
+    assert i > 0 and data.find(b"\x7fELF", i + 1) < 0, f"{obj}: not one embedded ELF image"
     # ELF64, little-endian, EM_CUDA
     assert data[i + 4] == 2 and data[i + 5] == 1 and struct.unpack_from("<H", data, i + 0x12)[0] == 190, obj
     phoff, shoff = struct.unpack_from("<QQ", data, i + 0x20)
