@@ -217,6 +217,11 @@ class SparseMlaFwdSm90:
         self.num_threads = 384
         self.producer_regs = 40
         self.consumer_regs = 232
+        # setmaxnreg.inc waits until the CTA's register pool (what the launch gave: 168 per
+        # thread at 384 threads) can supply it, so a split past the pool hangs the kernel.
+        pool = 384 * (65536 // 384 // 8 * 8)
+        assert 128 * self.producer_regs + 256 * self.consumer_regs <= pool, (
+            f"producer_regs x 128 + consumer_regs x 256 must fit the pool of {pool} registers")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
