@@ -11,8 +11,13 @@ and the SM clock and power seen meanwhile.
 
     python benchmarks/gpu_sparse_mla_fwd_variants.py --out runs.json main main@1 change1 change2
         [--rounds N] [--seconds 0.4] [--shapes abc] [--skip-accuracy] [--l2-persisting MiB|max]
+        [--hang-s 300]
 
 (build/ is git-ignored: a remote GPU machine needs build/fwd_variants sent with the checkout.)
+
+A build that hangs (a kernel that never finishes) would hold the GPU machine to its time limit and
+return nothing: each build's accuracy list (where a build first runs) and the timing run under a
+watchdog that prints where the process stood and exits after ``--hang-s`` seconds.
 
 ``--l2-persisting`` sets the CUDA limit cudaLimitPersistingL2CacheSize (the share of the L2 that
 lines marked evict_last, such as the kernel's kv rows, may keep) for the whole process first (needs
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import shutil
@@ -57,9 +63,18 @@ def load_builds(names, tmp):
     return kerns, md5
 
 
-def accuracy(kern, name):
+def watchdog(seconds, what):
+    """Exits the process (after a traceback of every thread) if it is still at `what` after
+    `seconds`; cancelled with faulthandler.cancel_dump_traceback_later()."""
+    print(f"{what} (watchdog {seconds:.0f} s)", flush=True)
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def accuracy(kern, name, hang_s):
     rows = []
+    watchdog(hang_s, f"accuracy list: {name}")
     ok, _ = bench.accuracy_list(kern, rows, label=f"{name}: ")
+    faulthandler.cancel_dump_traceback_later()
     return dict(passed=bool(ok), out_rel_l2_max=max(r["out_rel_l2"] for r in rows),
                 lse_max_abs=max(r["lse_max_abs"] for r in rows),
                 max_logits_max_abs=max(r["max_logits_max_abs"] for r in rows))
@@ -99,6 +114,9 @@ def main():
     ap.add_argument("--shapes", default="abc", help="which of issue 7's shapes (a, b, c)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--l2-persisting", help="MiB, or max: set cudaLimitPersistingL2CacheSize")
+    ap.add_argument("--hang-s", type=float, default=300,
+                    help="watchdog: seconds allowed for one build's accuracy list, and on top of "
+                         "the timing's planned wall time")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         kerns, md5 = load_builds(args.builds, tmp)
@@ -109,13 +127,17 @@ def main():
         if found is not None:
             print(f"persisting L2 limit {found / 2**20:.2f} MiB -> {limit / 2**20:.2f} MiB")
         if not args.skip_accuracy:
-            res["accuracy"] = {n: accuracy(k, n) for n, k in kerns.items() if "@" not in n}
+            res["accuracy"] = {n: accuracy(k, n, args.hang_s) for n, k in kerns.items()
+                               if "@" not in n}
             for n, a in res["accuracy"].items():
                 print(f"{'PASS' if a['passed'] else 'FAIL'} {n}: {a}", flush=True)
         shapes = [s for s in bench.SHAPES if s[0] in args.shapes]
         # each rotation of the phase order once forward and once reversed (see steady_many)
         rounds = args.rounds or 2 * (len(kerns) + 1)
+        planned = len(shapes) * rounds * (len(kerns) + 1) * args.seconds
+        watchdog(args.hang_s + 2 * planned, "timing")
         res["steady"] = bench.steady_many(kerns, shapes, args.seconds, rounds, report=report)
+        faulthandler.cancel_dump_traceback_later()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
