@@ -17,7 +17,8 @@ and the SM clock and power seen meanwhile.
 
 A build that hangs (a kernel that never finishes) would hold the GPU machine to its time limit and
 return nothing: each build's accuracy list (where a build first runs) and the timing run under a
-watchdog that prints where the process stood and exits after ``--hang-s`` seconds.
+watchdog that prints where the process stood and exits (rc 1, nothing written to ``--out``) after
+``--hang-s`` seconds; the timing's limit is twice its planned wall time plus ``--hang-s``.
 
 ``--l2-persisting`` sets the CUDA limit cudaLimitPersistingL2CacheSize (the share of the L2 that
 lines marked evict_last, such as the kernel's kv rows, may keep) for the whole process first (needs
@@ -115,8 +116,8 @@ def main():
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--l2-persisting", help="MiB, or max: set cudaLimitPersistingL2CacheSize")
     ap.add_argument("--hang-s", type=float, default=300,
-                    help="watchdog: seconds allowed for one build's accuracy list, and on top of "
-                         "the timing's planned wall time")
+                    help="watchdog: seconds allowed for one build's accuracy list, and added to "
+                         "twice the timing's planned wall time")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         kerns, md5 = load_builds(args.builds, tmp)

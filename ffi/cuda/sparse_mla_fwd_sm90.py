@@ -219,9 +219,10 @@ class SparseMlaFwdSm90:
         self.consumer_regs = 232
         # setmaxnreg.inc waits until the CTA's register pool (what the launch gave: 168 per
         # thread at 384 threads) can supply it, so a split past the pool hangs the kernel.
-        pool = 384 * (65536 // 384 // 8 * 8)
-        assert 128 * self.producer_regs + 256 * self.consumer_regs <= pool, (
-            f"producer_regs x 128 + consumer_regs x 256 must fit the pool of {pool} registers")
+        pool = self.num_threads * (65536 // self.num_threads // 8 * 8)
+        need = 128 * self.producer_regs + 256 * self.consumer_regs
+        assert need <= pool, (f"producer_regs {self.producer_regs} x 128 + consumer_regs "
+                              f"{self.consumer_regs} x 256 = {need} exceeds the pool of {pool}")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
