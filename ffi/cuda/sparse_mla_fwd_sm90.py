@@ -220,9 +220,11 @@ class SparseMlaFwdSm90:
         # setmaxnreg.inc waits until the CTA's register pool (what the launch gave: 168 per
         # thread at 384 threads) can supply it, so a split past the pool hangs the kernel.
         pool = self.num_threads * (65536 // self.num_threads // 8 * 8)
-        need = 128 * self.producer_regs + 256 * self.consumer_regs
+        consumers = self.num_threads - 128  # every warpgroup but the producer
+        need = 128 * self.producer_regs + consumers * self.consumer_regs
         assert need <= pool, (f"producer_regs {self.producer_regs} x 128 + consumer_regs "
-                              f"{self.consumer_regs} x 256 = {need} exceeds the pool of {pool}")
+                              f"{self.consumer_regs} x {consumers} = {need} exceeds the pool "
+                              f"of {pool}")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
