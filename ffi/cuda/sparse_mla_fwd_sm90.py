@@ -39,7 +39,8 @@ are released as soon as their readers are done: the owner's V half after its own
 half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
-finish; the next tile's Q and row ids are prefetched into L2 when a tile starts. Both WGs
+finish; the next tile's row ids (and its Q, while kv is at most Q_PREFETCH_MAX_KV_BYTES) are
+prefetched into L2 when a tile starts. Both WGs
 stage the output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the
 output with 16-byte stores once the next Q has landed, then hands stage 1 back to the producer
 (mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q,
@@ -82,6 +83,11 @@ LN2 = math.log(2.0)
 # P is handed over in parts of one k step (16 kv rows) each: a part's P V runs while the softmax
 # computes the next part (benchmarks/NOTES.md, eleventh session).
 P_PARTS = 4
+# The next tile's Q (72 KB per CTA at D_qk 576, ~9.5 MB over 132 SMs) is prefetched into L2 only
+# while kv is at most this size: past it the prefetched Qs displace kv rows that the gather needs
+# (kv of 36 MiB: 1-2% faster without the prefetch; kv of 16-18 MiB: faster with it). 24 MiB lies
+# between the two, below the 28-36 MiB where an S_kv sweep loses most (benchmarks/NOTES.md).
+Q_PREFETCH_MAX_KV_BYTES = 24 << 20
 
 
 @dsl_user_op
@@ -381,8 +387,9 @@ class SparseMlaFwdSm90:
                     t_next = t + n_ctas
                     s_next = t_next // (h // TILE_M)
                     h_next = (t_next % (h // TILE_M)) * TILE_M
-                    _prefetch_l2(mQ.iterator.toint() + (Int64(s_next) * h + h_next) * (d * 2),
-                                 Int32(TILE_M * d * 2), _l2_policy("evict_normal"))
+                    if s_kv <= Q_PREFETCH_MAX_KV_BYTES // (d * 2):
+                        _prefetch_l2(mQ.iterator.toint() + (Int64(s_next) * h + h_next) * (d * 2),
+                                     Int32(TILE_M * d * 2), _l2_policy("evict_normal"))
                     _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
                                  k_slots * 4, _l2_policy("evict_first"))
                 n_pair = (n_blk + 1) // 2
