@@ -83,10 +83,11 @@ LN2 = math.log(2.0)
 # P is handed over in parts of one k step (16 kv rows) each: a part's P V runs while the softmax
 # computes the next part (benchmarks/NOTES.md, eleventh session).
 P_PARTS = 4
-# The next tile's Q (72 KB per CTA at D_qk 576, ~9.5 MB over 132 SMs) is prefetched into L2 only
-# while kv is at most this size: past it the prefetched Qs displace kv rows that the gather needs
-# (kv of 36 MiB: 1-2% faster without the prefetch; kv of 16-18 MiB: faster with it). 24 MiB lies
-# between the two, below the 28-36 MiB where an S_kv sweep loses most (benchmarks/NOTES.md).
+# The next tile's Q (72 KiB per CTA at D_qk 576, 9.3 MiB over 132 SMs) is prefetched into L2 only
+# while kv is at most this size: with kv of 36 MiB the kernel runs 1-2% faster without it (by our
+# reading the prefetched Qs push out kv rows the gather needs); at 16-18 MiB the prefetch of Q and
+# row ids together paid when it came in. 24 MiB lies between the two, below the 27-36 MiB where an
+# S_kv sweep loses most (benchmarks/NOTES.md, sessions 5, 13 and 16).
 Q_PREFETCH_MAX_KV_BYTES = 24 << 20
 
 
@@ -383,7 +384,8 @@ class SparseMlaFwdSm90:
                 self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
                              q_empty)
                 if tidx == 0 and t + n_ctas < n_tiles:
-                    # the next tile's Q and row ids wait in L2, not HBM, when their turn comes
+                    # the next tile's row ids (and Q, for a kv that leaves L2 room) wait in L2,
+                    # not HBM, when their turn comes
                     t_next = t + n_ctas
                     s_next = t_next // (h // TILE_M)
                     h_next = (t_next % (h // TILE_M)) * TILE_M
