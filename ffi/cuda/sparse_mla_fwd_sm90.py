@@ -84,10 +84,10 @@ LN2 = math.log(2.0)
 # computes the next part (benchmarks/NOTES.md, eleventh session).
 P_PARTS = 4
 # The next tile's Q (72 KiB per CTA at D_qk 576, 9.3 MiB over 132 SMs) is prefetched into L2 only
-# while kv is at most this size: with kv of 36 MiB the kernel runs 1-2% faster without it (by our
-# reading the prefetched Qs push out kv rows the gather needs); at 16-18 MiB the prefetch of Q and
-# row ids together paid when it came in. 24 MiB lies between the two, below the 27-36 MiB where an
-# S_kv sweep loses most (benchmarks/NOTES.md, sessions 5, 13 and 16).
+# while kv is at most this size: with kv of 27 or 36 MiB the kernel runs 1-2.5% faster without it
+# (by our reading the prefetched Qs push out kv rows the gather needs); at 16-18 MiB the prefetch of
+# Q and row ids together paid when it came in. 24 MiB lies between the two, below the 27-36 MiB
+# where an S_kv sweep loses most (benchmarks/NOTES.md, sessions 5, 13 and 16).
 Q_PREFETCH_MAX_KV_BYTES = 24 << 20
 
 
