@@ -39,8 +39,7 @@ are released as soon as their readers are done: the owner's V half after its own
 half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
-finish; the next tile's row ids (and its Q, while kv is at most Q_PREFETCH_MAX_KV_BYTES) are
-prefetched into L2 when a tile starts. Both WGs
+finish; the next tile's row ids are prefetched into L2 when a tile starts. Both WGs
 stage the output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the
 output with 16-byte stores once the next Q has landed, then hands stage 1 back to the producer
 (mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q,
@@ -83,12 +82,6 @@ LN2 = math.log(2.0)
 # P is handed over in parts of one k step (16 kv rows) each: a part's P V runs while the softmax
 # computes the next part (benchmarks/NOTES.md, eleventh session).
 P_PARTS = 4
-# The next tile's Q (72 KiB per CTA at D_qk 576, 9.3 MiB over 132 SMs) is prefetched into L2 only
-# while kv is at most this size: with kv of 27 or 36 MiB the kernel runs 1-2.5% faster without it
-# (by our reading the prefetched Qs push out kv rows the gather needs); at 16-18 MiB the prefetch of
-# Q and row ids together paid when it came in. 24 MiB lies between the two, below the 27-36 MiB
-# where an S_kv sweep loses most (benchmarks/NOTES.md, sessions 5, 13 and 16).
-Q_PREFETCH_MAX_KV_BYTES = 24 << 20
 
 
 @dsl_user_op
@@ -112,9 +105,9 @@ def _cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, policy: I
 
 @dsl_user_op
 def _l2_policy(kind: str, *, loc=None, ip=None) -> Int64:
-    """L2 eviction policy ("evict_last", "evict_normal" or "evict_first"): evict_last for kv rows
-    (reused by many queries); evict_first for what passes through once (the Q load, out, the
-    prefetched kv row ids), so that it pushes neither kv nor the prefetched next Q out of L2."""
+    """L2 eviction policy ("evict_last" or "evict_first"): evict_last for kv rows (reused by many
+    queries); evict_first for what passes through once (the Q load, out, the prefetched kv row
+    ids), so that it does not push kv out of L2."""
     return Int64(llvm.inline_asm(
         T.i64(), [], f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -384,14 +377,10 @@ class SparseMlaFwdSm90:
                 self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
                              q_empty)
                 if tidx == 0 and t + n_ctas < n_tiles:
-                    # the next tile's row ids (and Q, for a kv that leaves L2 room) wait in L2,
-                    # not HBM, when their turn comes
-                    t_next = t + n_ctas
-                    s_next = t_next // (h // TILE_M)
-                    h_next = (t_next % (h // TILE_M)) * TILE_M
-                    if s_kv <= Q_PREFETCH_MAX_KV_BYTES // (d * 2):
-                        _prefetch_l2(mQ.iterator.toint() + (Int64(s_next) * h + h_next) * (d * 2),
-                                     Int32(TILE_M * d * 2), _l2_policy("evict_normal"))
+                    # the next tile's row ids wait in L2, not HBM, when their turn comes
+                    # (prefetching its Q as well cost 1-2.5% at kv 16-36 MiB; benchmarks/NOTES.md,
+                    # sessions 16 and 17)
+                    s_next = (t + n_ctas) // (h // TILE_M)
                     _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
                                  k_slots * 4, _l2_policy("evict_first"))
                 n_pair = (n_blk + 1) // 2
