@@ -39,10 +39,10 @@ are released as soon as their readers are done: the owner's V half after its own
 half (and P) after the other WG's.
 Between tiles: the producer loads the next tile's Q as soon as both WGs' last S of the tile is
 done (mbarrier q_empty), and prefetches its kv row ids and first blocks while the consumers
-finish; the next tile's row ids are prefetched into L2 when a tile starts. Both WGs
-stage the output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the
-output with 16-byte stores once the next Q has landed, then hands stage 1 back to the producer
-(mbarrier o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q,
+finish; the next tile's row ids are prefetched into L2 when a tile starts. Both WGs stage the
+output in stage 1 (mbarrier o_full); WG0 goes on to the next tile, and WG1 stores the output with
+16-byte stores once the next Q has landed, then hands stage 1 back to the producer (mbarrier
+o_empty). L2 eviction policies keep the kv rows (reused by many queries) and let q,
 out and the row ids stream through.
 Math: online softmax in base 2 with the max kept in raw logits (Milakov & Gimelshein 2018;
 FlashAttention-2, Dao 2023), with FlashAttention-4's conditional rescaling
@@ -377,9 +377,9 @@ class SparseMlaFwdSm90:
                 self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
                              q_empty)
                 if tidx == 0 and t + n_ctas < n_tiles:
-                    # the next tile's row ids wait in L2, not HBM, when their turn comes
-                    # (prefetching its Q as well cost 1-2.5% at kv 16-36 MiB; benchmarks/NOTES.md,
-                    # sessions 16 and 17)
+                    # the next tile's row ids wait in L2, not HBM, when their turn comes (its Q
+                    # is not prefetched: that ran slower at every kv size measured, 16-36 MiB;
+                    # benchmarks/NOTES.md, sessions 16 and 17)
                     s_next = (t + n_ctas) // (h // TILE_M)
                     _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
                                  k_slots * 4, _l2_policy("evict_first"))
