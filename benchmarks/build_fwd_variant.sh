@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds one variant of the SM90 sparse MLA forward as a standalone shared library that holds only
-# the forward's raw bench entry (no nanobind module, no backward), for same-process comparisons on
-# a GPU machine with gpu_sparse_mla_fwd_variants.py. No GPU is needed; 30-60 s on two cores.
+# the forward's raw bench entry (ffi/cuda/bench/sparse_mla_fwd_bench.cc; no nanobind module, no
+# backward), for same-process comparisons on a GPU machine with gpu_sparse_mla_fwd_variants.py.
+# The variants (heads, D_qk) are the checkout's jax_dsa/kernel_spec.py. No GPU is needed; 30-60 s
+# on two cores.
 #
 #   benchmarks/build_fwd_variant.sh NAME [KERNEL_SOURCE]
 #
@@ -11,7 +13,7 @@
 # launch settings live in the host code). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,11p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,14p' "$0" >&2; exit 2; }
 name=$1
 case $name in
   "" | .* | */* | matmul) echo "build_fwd_variant: NAME '$name' must be a plain file name (not matmul)" >&2
@@ -35,15 +37,19 @@ dsl_runtime=$site/nvidia_cutlass_dsl/cu13/lib/libcuda_dialect_runtime_static.a
 out=$root/build/fwd_variants/$name
 gen=$out/gen
 rm -rf "$out"
-mkdir -p "$gen/src" "$gen/obj"
-# the export script imports the kernel module from its own folder
-cp "$root/ffi/cuda/export_sparse_mla_fwd.py" "$gen/src/"
-cp "$src" "$gen/src/sparse_mla_fwd_sm90.py"
-"$py" "$gen/src/export_sparse_mla_fwd.py" --out-dir "$gen/obj" --jobs 2 >"$gen/export.log" 2>&1 ||
-  { tail -30 "$gen/export.log" >&2; exit 1; }
+mkdir -p "$gen/src/ffi/cuda" "$gen/src/jax_dsa" "$gen/obj"
+# The export script imports the kernel module from its own folder and reads the variants from
+# jax_dsa/kernel_spec.py two folders up: the copy keeps the checkout's layout.
+cp "$root/ffi/cuda/export_sparse_mla_fwd.py" "$root/ffi/cuda/kernel_spec_loader.py" \
+  "$gen/src/ffi/cuda/"
+cp "$src" "$gen/src/ffi/cuda/sparse_mla_fwd_sm90.py"
+cp "$root/jax_dsa/kernel_spec.py" "$gen/src/jax_dsa/"
+"$py" "$gen/src/ffi/cuda/export_sparse_mla_fwd.py" --out-dir "$gen/obj" --jobs 2 \
+  >"$gen/export.log" 2>&1 || { tail -30 "$gen/export.log" >&2; exit 1; }
 g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
-  -I "$root/ffi" -I "$gen/obj" -isystem "$site/jaxlib/include" -isystem "$cuda_home/include" \
-  "$root/ffi/cuda/sparse_mla_fwd_cuda.cc" "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
+  -I "$root/ffi" -I "$gen/obj" -isystem "$cuda_home/include" \
+  "$root/ffi/cuda/bench/sparse_mla_fwd_bench.cc" "$root/ffi/cuda/sparse_mla_fwd_launch.cc" \
+  "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
   "$dsl_runtime" "$cuda_home/lib64/libcudart_static.a" -lpthread -ldl -lrt
 # Checksums of each object and of the cubin (CUDA ELF image) it embeds. The objects also hold host
 # code that the DSL compiles for the build machine's CPU, so whole-object checksums are comparable

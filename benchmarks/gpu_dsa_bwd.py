@@ -14,8 +14,10 @@ then its speed. Run on an SM90 GPU (H100/H200) with jax_dsa's CUDA module built.
 3. Speed at S_q = S_kv = 16384 and 32768 (all slots valid): median over 50 runs after warm-up of
    (a) the FFI handler alone in a jitted call (host wall time around block_until_ready),
    (b) the whole backward with the public op's glue, (c) the same kernels launched from raw
-   pointers through ctypes (jax_dsa_dsa_bwd_raw_bench: CUDA-event and wall time). TFLOP/s counts
-   10 * S_q * K * H * D_qk floating-point operations per backward.
+   pointers through ctypes (jax_dsa_dsa_bwd_raw_bench of the benchmark library
+   jax_dsa/libjax_dsa_cuda_bench.so, built with the module unless JAX_DSA_CUDA_BENCH=OFF:
+   CUDA-event and wall time). TFLOP/s counts 10 * S_q * K * H * D_qk floating-point operations
+   per backward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa import _native, sparse_mla
-from jax_dsa.ops import sparse_mla_ffi
+from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
 
 BF = jnp.bfloat16
 
@@ -121,8 +123,8 @@ def prepared(rng, s, h, d, k, sink):
 
 def handler_call(p):
     s, h, d = p["q"].shape
-    ws = sparse_mla_ffi.cuda_workspace_bytes(s, s, h, d)
-    call = jax.ffi.ffi_call(sparse_mla_ffi.CUDA_BWD_TARGET, (
+    ws = sparse_mla_cuda.cuda_workspace_bytes(s, s, h, d)
+    call = jax.ffi.ffi_call(sparse_mla_cuda.CUDA_BWD_TARGET, (
         jax.ShapeDtypeStruct((s, h, d), BF), jax.ShapeDtypeStruct((s, d), BF),
         jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((ws,), jnp.uint8)))
     f = jax.jit(lambda q, kv, o, do, l, a, i, n: call(q, kv, o, do, l, a, i, n,
@@ -134,8 +136,8 @@ def handler_chain(p, n):
     """n back-to-back handler calls in one jitted program (side-effecting, so none is merged or
     dropped): per-call time without the per-dispatch host cost."""
     s, h, d = p["q"].shape
-    ws = sparse_mla_ffi.cuda_workspace_bytes(s, s, h, d)
-    call = jax.ffi.ffi_call(sparse_mla_ffi.CUDA_BWD_TARGET, (
+    ws = sparse_mla_cuda.cuda_workspace_bytes(s, s, h, d)
+    call = jax.ffi.ffi_call(sparse_mla_cuda.CUDA_BWD_TARGET, (
         jax.ShapeDtypeStruct((s, h, d), BF), jax.ShapeDtypeStruct((s, d), BF),
         jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((ws,), jnp.uint8)),
         has_side_effect=True)
@@ -161,7 +163,7 @@ def wall(f, args, iters, warmup=5):
 
 
 def raw_bench(p, iters):
-    lib = ctypes.CDLL(_native.require("_cuda").__file__)
+    lib = ctypes.CDLL(_native.bench_library())  # raises with the reason if it is not built
     fn = lib.jax_dsa_dsa_bwd_raw_bench
     fn.restype = ctypes.c_int
     s, h, d = p["q"].shape
@@ -169,7 +171,7 @@ def raw_bench(p, iters):
     dq = jnp.zeros((s, h, d), BF)
     dkv = jnp.zeros((s, d), BF)
     dsink = jnp.zeros((h,), jnp.float32)
-    ws = jnp.zeros((sparse_mla_ffi.cuda_workspace_bytes(s, s, h, d),), jnp.uint8)
+    ws = jnp.zeros((sparse_mla_cuda.cuda_workspace_bytes(s, s, h, d),), jnp.uint8)
     bufs = [p["q"], p["kv"], p["out"], p["dout"], p["lse"], p["sink"], p["idx"], p["length"], dq, dkv, dsink, ws]
     jax.block_until_ready(bufs)
     ptrs = [ctypes.c_void_p(b.unsafe_buffer_pointer()) for b in bufs]
@@ -190,7 +192,7 @@ def speed(rng, iters, sizes):
             p = prepared(rng, s, h, d, k, sink)
             f, args = handler_call(p)
             t_handler = wall(f, args, iters)
-            full = jax.jit(lambda q, kv, i, a, l, o, lse, do: sparse_mla_ffi.cuda_backward(
+            full = jax.jit(lambda q, kv, i, a, l, o, lse, do: sparse_mla_cuda.cuda_backward(
                 q[None], kv[None], i[None], a, l[None], o[None], lse[None], do[None],
                 sm_scale=p["scale"], d_v=512))
             t_full = wall(full, (p["q"], p["kv"], p["idx"], p["sink"], p["length"], p["out"], p["lse"], p["dout"]), iters)

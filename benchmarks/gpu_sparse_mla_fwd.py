@@ -1,8 +1,10 @@
 """GPU proof of jax_dsa's own SM90 sparse MLA forward (FlashMLA v2 contract), then its speed.
 
 Run on an SM90 GPU with jax_dsa's CUDA module built and PyTorch installed (torch only allocates
-and times here; the kernel is launched from raw pointers through the module's ctypes entry
-``jax_dsa_sparse_mla_fwd_raw_bench``, and once through XLA FFI via ``jax.ffi.ffi_call``).
+and times here; the kernel is launched from raw pointers through the ctypes entry
+``jax_dsa_sparse_mla_fwd_raw_bench`` of the benchmark library ``jax_dsa/libjax_dsa_cuda_bench.so``,
+built with the module unless ``JAX_DSA_CUDA_BENCH=OFF``, and once through XLA FFI via
+``jax.ffi.ffi_call``).
 
     python benchmarks/gpu_sparse_mla_fwd.py --out results.json [--skip-accuracy] [--skip-speed]
                                             [--k-sweep] [--kv-sweep] [--steady]
@@ -44,22 +46,22 @@ SHAPES = [
 ]
 
 
-def module_path():
-    import jax_dsa
+def library_path():
+    """The benchmark library installed next to jax_dsa's CUDA module."""
+    from jax_dsa import _native
 
-    d = os.path.dirname(jax_dsa.__file__)
-    for f in os.listdir(d):
-        if f.startswith("_cuda") and f.endswith(".so"):
-            return os.path.join(d, f)
-    raise SystemExit("gpu_sparse_mla_fwd: jax_dsa/_cuda*.so not found")
+    try:
+        return _native.bench_library()
+    except (NotImplementedError, FileNotFoundError) as e:
+        raise SystemExit(f"gpu_sparse_mla_fwd: {e}") from e
 
 
 class Kernel:
-    """The forward's raw bench entry in jax_dsa's CUDA module, or in another build of it (path:
-    a shared library from ``build_fwd_variant.sh``)."""
+    """The forward's raw bench entry in jax_dsa's benchmark library, or in another build of it
+    (path: a shared library from ``build_fwd_variant.sh``)."""
 
     def __init__(self, path=None):
-        self.lib = ctypes.CDLL(path or module_path())
+        self.lib = ctypes.CDLL(path or library_path())
         f = self.lib.jax_dsa_sparse_mla_fwd_raw_bench
         f.restype = ctypes.c_int
         P, I = ctypes.c_void_p, ctypes.c_int

@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jax_dsa.configs import get_config  # noqa: E402
-from jax_dsa.configs_v4 import LAYER_TYPES  # noqa: E402
+from jax_dsa.configs.v4 import LAYER_TYPES  # noqa: E402
 from jax_dsa.nn.v4_attention import DeepseekV4Attention  # noqa: E402
 from jax_dsa.nn.v4_slots import compressed_slot_count, slot_width  # noqa: E402
 

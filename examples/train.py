@@ -466,7 +466,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
 
     from jax_dsa.configs import get_config  # the model package, imported when needed
-    from jax_dsa.configs_v4 import DeepseekV4Config
+    from jax_dsa.configs.v4 import DeepseekV4Config
     from jax_dsa.nn import DSALanguageModel
     from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 

@@ -3,8 +3,13 @@
 Modules (built by CMake, see ``CMakeLists.txt``):
 
 * ``jax_dsa._cpu``: host sparse MLA forward and backward (always built).
-* ``jax_dsa._cuda``: the cuDNN frontend's SM90 DSA backward, compiled ahead of time with CuTe DSL
-  (built when ``JAX_DSA_CUDA`` is ``AUTO`` and the toolchain is found, or ``ON``).
+* ``jax_dsa._cuda``: jax_dsa's SM90 sparse MLA forward and the cuDNN frontend's SM90 DSA
+  backward, compiled ahead of time with CuTe DSL (built when ``JAX_DSA_CUDA`` is ``AUTO`` and the
+  toolchain is found, or ``ON``).
+* ``jax_dsa._cuda_indexer``: the lightning indexer's SM90 kernels (CUDA C++, built with ``_cuda``).
+
+Beside ``_cuda``, and never loaded here, the build installs ``libjax_dsa_cuda_bench.so``: the same
+kernels' raw-pointer entries for ``benchmarks/`` (:func:`bench_library`).
 
 Importing this module never fails: a module that cannot be loaded is recorded in
 :data:`LOAD_ERRORS` with the reason, and the implementations that need it are left out of
@@ -42,11 +47,20 @@ def _load(name: str, platform: str, **registration_options):
 cpu = _load("_cpu", "cpu")
 # CUDA targets may be registered without a GPU: jaxlib queues them until a CUDA plugin loads.
 # JAX_DSA_CUDA_GRAPHS=0 registers the backward without the command-buffer trait (A/B checks).
-cuda = _load("_cuda", "CUDA", graphs=os.environ.get("JAX_DSA_CUDA_GRAPHS", "1") != "0")
-if cpu is not None and cuda is not None:
+_graphs = os.environ.get("JAX_DSA_CUDA_GRAPHS", "1") != "0"
+cuda = _load("_cuda", "CUDA", graphs=_graphs)
+cuda_indexer = _load("_cuda_indexer", "CUDA", graphs=_graphs)
+if cpu is not None:
     # implementation="cuda" placed on the host: a clear error at run time, not "no handler".
-    for _target in ("jax_dsa_sparse_mla_fwd_cuda", "jax_dsa_dsa_bwd_cuda"):
-        jax.ffi.register_ffi_target(_target, cpu.cuda_on_host(), platform="cpu", api_version=1)
+    for _mod in (cuda, cuda_indexer):
+        for _target in (() if _mod is None else _mod.registrations(graphs=_graphs)):
+            jax.ffi.register_ffi_target(_target, cpu.cuda_on_host(), platform="cpu",
+                                        api_version=1)
+
+
+def loaded(name: str) -> bool:
+    """Whether the native module ``name`` (``"_cpu"``, ``"_cuda"``, ``"_cuda_indexer"``) loaded."""
+    return name in _MODULES
 
 
 def available() -> tuple[str, ...]:
@@ -62,3 +76,22 @@ def require(name: str):
         f"jax_dsa: the native module {name} is not available: "
         f"{LOAD_ERRORS.get(name, 'not loaded')}"
     )
+
+
+BENCH_LIBRARY = "libjax_dsa_cuda_bench.so"
+
+
+def bench_library() -> str:
+    """Path of the benchmark-only library (``ctypes.CDLL`` it): installed next to ``_cuda``, so
+    found wherever the module is (the editable install keeps both in site-packages).
+
+    Raises:
+      NotImplementedError: ``_cuda`` is not available (the reason from :func:`require`).
+      FileNotFoundError: ``_cuda`` was built without it (``JAX_DSA_CUDA_BENCH=OFF``).
+    """
+    path = os.path.join(os.path.dirname(require("_cuda").__file__), BENCH_LIBRARY)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"jax_dsa: the benchmark library {path} is missing: the CUDA module was built without "
+            f"it (JAX_DSA_CUDA_BENCH=OFF); rebuild with JAX_DSA_CUDA_BENCH=ON ./scripts/setup.sh")
+    return path

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Creates .venv with Python 3.12+ and installs jax_dsa (editable, with its compiled FFI modules)
-# and its test tools, pinned by constraints.txt. Idempotent: re-running re-installs only when the
-# build inputs (pyproject.toml, constraints.txt, CMakeLists.txt, ffi/) changed.
+# with the extras `test` and `examples` (the tests run examples/train.py), pinned by
+# constraints.txt. Idempotent: re-running re-installs only when the build inputs (pyproject.toml,
+# constraints.txt, CMakeLists.txt, ffi/, jax_dsa/kernel_spec.py) changed.
 # JAX_DSA_CUDA=OFF skips the CUDA module; ON makes a missing toolchain an error.
 # JAX_DSA_CUDA_SM100=OFF skips the compile-only SM100/SM103 kernel export (default ON).
+# JAX_DSA_CUDA_BENCH=OFF skips the benchmark library jax_dsa/libjax_dsa_cuda_bench.so (default ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,12 +40,16 @@ fi
 stamp=.venv/.jax_dsa-installed
 # The build switches and the module list are part of the install: a change of either rebuilds.
 settings="JAX_DSA_CUDA=${JAX_DSA_CUDA:-AUTO} JAX_DSA_CUDA_SM100=${JAX_DSA_CUDA_SM100:-ON}"
+settings+=" JAX_DSA_CUDA_BENCH=${JAX_DSA_CUDA_BENCH:-ON}"
 install_state() { echo "$settings"; find jax_dsa -name '*.py' | sort; }
 changed() {  # anything the install depends on newer than the stamp, or other switches/modules?
   [ ! -f "$stamp" ] && return 0
   # The editable install (scikit-build-core "redirect" mode) maps the modules it saw when built.
   [ "$(cat "$stamp")" != "$(install_state)" ] && return 0
-  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi scripts/setup.sh -newer "$stamp" -print -quit)" ]
+  # kernel_spec.py: the build's export step reads the kernel variants from it. (Bytecode that the
+  # export scripts leave in ffi/ is no input.)
+  [ -n "$(find pyproject.toml constraints.txt CMakeLists.txt ffi jax_dsa/kernel_spec.py \
+            scripts/setup.sh -name __pycache__ -prune -o -newer "$stamp" -print -quit)" ]
 }
 if changed; then
   pip_q() { .venv/bin/python -m pip install -q -c constraints.txt "$@"; }
@@ -60,7 +66,7 @@ if changed; then
   if [ "${JAX_DSA_CUDA:-AUTO}" != OFF ] && command -v nvcc >/dev/null 2>&1; then
     pip_q -r scripts/cuda-build-requirements.txt
   fi
-  pip_q --no-build-isolation -e ".[test]"
+  pip_q --no-build-isolation -e ".[test,examples]"
   install_state >"$stamp"
 fi
 

@@ -1,4 +1,4 @@
-"""Tests for jax_dsa.configs: preset dimensions (shared/research/models.md §2), derived
+"""Tests for jax_dsa.configs: preset dimensions (the published checkpoints' config.json), derived
 quantities, the GLM-5.2 IndexShare schedule, HF dict conversion and validation."""
 
 import dataclasses

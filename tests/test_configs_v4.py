@@ -1,6 +1,6 @@
-"""Tests for jax_dsa.configs_v4: V4-Flash / V4-Pro dimensions (shared/research/models.md §2.3 and
-the checkpoints' config.json), layer schedules, RoPE per layer type, HF dict conversion,
-get_config dispatch and validation."""
+"""Tests for jax_dsa.configs.v4: V4-Flash / V4-Pro dimensions (the published checkpoints'
+config.json), layer schedules, RoPE per layer type, HF dict conversion, get_config dispatch and
+validation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from jax_dsa.configs import get_config
-from jax_dsa.configs_v4 import (
+from jax_dsa.configs.v4 import (
     CSA,
     HCA,
     PRESET_NAMES,

@@ -417,6 +417,63 @@ def test_kl_bfloat16_inputs():
     assert all(g.dtype == jnp.bfloat16 and bool(jnp.isfinite(g).all()) for g in grads)
 
 
+def _rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.bfloat16))
+
+
+# Each bf16-input gradient may be off the float64 one by at most this many times the error of
+# rounding the float64 gradient to bf16 once. Accumulating in float32 and rounding once gives
+# 1.00x; accumulating index_k's gradient in bf16 gave 5.8x-7x (sparse) and 1.5x (dense, whose
+# per-block gradient is one einsum but the sum over query blocks ran in bf16).
+BF16_GRAD_FACTOR = 1.25
+
+
+def check_bf16_grads_against_float64(loss, index_args, other_args):
+    """``jax.grad(loss)`` in the index tensors on bf16 inputs against the same loss on the same
+    bf16-rounded values in float64: each gradient's relative L2 error is at most
+    ``BF16_GRAD_FACTOR`` times the floor (the float64 gradient rounded to bf16 once)."""
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    got = grad(*(jnp.asarray(x, jnp.bfloat16) for x in index_args + other_args))
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    with jax.enable_x64(True):
+        want = grad(*(jnp.asarray(x, jnp.float64) for x in index_args + other_args))
+        want = [np.asarray(g) for g in want]
+    for name, g, w in zip(("index_q", "index_k", "index_weights"), got, want):
+        floor = _rel_l2(_bf16(w), w)
+        assert 5e-4 < floor < 4e-3, (name, floor)  # bf16's rounding error, not a tiny gradient
+        err = _rel_l2(g, w)
+        assert err <= BF16_GRAD_FACTOR * floor, (name, err, floor)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_kl_bfloat16_gradients_accumulate_in_float32(sparse):
+    """GLM-5-like dims scaled down (index heads 32 x 128, H 16, D_qk 576, top-k 256, S 512).
+    index_k's gradient sums over every query block and, sparse, over every slot that selects a
+    key: it must accumulate in float32 and round to bf16 once, not round at every add."""
+    rng = np.random.default_rng(20)
+    s, h_i, d_i, h, d_qk, topk = 512, 32, 128, 16, 576, 256
+    iq = _bf16(rng.standard_normal((s, h_i, d_i)))
+    ik = _bf16(rng.standard_normal((s, d_i)))
+    iw = _bf16(rng.standard_normal((s, h_i)) * (h_i * d_i) ** -0.5)  # the reference's scale
+    q = _bf16(rng.standard_normal((s, h, d_qk)))
+    kv = _bf16(rng.standard_normal((s, d_qk)))
+    pos = np.arange(s, dtype=np.int32)
+    idx = None
+    if sparse:
+        idx = np.asarray(indexer_topk(iq, ik, iw, topk=topk, q_positions=pos, kv_positions=pos))
+
+    def loss(iq, ik, iw, q, kv):
+        return indexer_kl_loss(iq, ik, iw, q, kv, sm_scale=d_qk**-0.5, q_positions=pos,
+                               kv_positions=pos, indices=idx)
+
+    check_bf16_grads_against_float64(loss, (iq, ik, iw), (q, kv))
+
+
 def test_kl_under_jit_and_vmap():
     rng = np.random.default_rng(18)
     nb, s = 3, 6

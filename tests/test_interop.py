@@ -230,11 +230,11 @@ def test_fp8_checkpoint_is_dequantised(tmp_path):
     np.testing.assert_array_equal(got_e, oracle["model.layers.1.mlp.experts.2.up_proj.weight"])
     assert not np.array_equal(got_q, np.asarray(model.layers[0].self_attn.q_b_proj.weight[...]))
     # Slices (what each device reads on a mesh) dequantise like the whole.
-    from jax_dsa.interop.loader import _Source
+    from jax_dsa.interop.reading import CheckpointSource
 
     key = "model.layers.0.self_attn.q_b_proj.weight"
     with CheckpointReader(tmp_path) as r:
-        src = _Source(r, hf)
+        src = CheckpointSource(r, hf)
         full = src.read(key, (slice(0, None), slice(0, None)))
         for sl in [(slice(3, 17), slice(5, 16)), (slice(8, 16), slice(0, 1)),
                    (slice(0, 32), slice(15, 17))]:

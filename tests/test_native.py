@@ -16,7 +16,7 @@ import pytest
 
 from jax_dsa import _native, sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
-from jax_dsa.ops import sparse_mla_ffi
+from jax_dsa.ops.sparse_mla import cpu as sparse_mla_cpu
 
 
 def test_cpu_module_is_built_and_registered():
@@ -25,7 +25,7 @@ def test_cpu_module_is_built_and_registered():
     # Built against jaxlib 0.11.2's headers, so it loads on jax 0.11.2 and every newer jax.
     assert tuple(mod.FFI_API_VERSION) == (0, 4)
     assert mod.kernel_isa() in ("avx2+fma", "baseline")
-    assert set(mod.registrations()) == {sparse_mla_ffi.CPU_FWD_TARGET, sparse_mla_ffi.CPU_BWD_TARGET}
+    assert set(mod.registrations()) == {sparse_mla_cpu.CPU_FWD_TARGET, sparse_mla_cpu.CPU_BWD_TARGET}
 
 
 def test_require_names_the_reason():
@@ -84,7 +84,7 @@ def test_nested_vmap_and_batch_dims_match_xla():
 def _raw_forward(q, kv, idx, sink, length, d_v=4, sm_scale=0.5, max_logits_shape=None):
     lead = q.shape[:-1]
     call = jax.ffi.ffi_call(
-        sparse_mla_ffi.CPU_FWD_TARGET,
+        sparse_mla_cpu.CPU_FWD_TARGET,
         (jax.ShapeDtypeStruct(lead + (d_v,), q.dtype), jax.ShapeDtypeStruct(lead, jnp.float32),
          jax.ShapeDtypeStruct(max_logits_shape or lead, jnp.float32)))
     return call(q, kv, idx, sink, length, sm_scale=np.float64(sm_scale), d_v=np.int64(d_v))
@@ -127,7 +127,7 @@ def test_default_on_the_host_is_the_cpu_handler():
     loss = lambda q, kv: sparse_mla(q, kv, idx, sm_scale=0.3, d_v=8)[0].sum()
     text = jax.jit(jax.grad(loss, (0, 1))).lower(q, kv).as_text()
     assert jax.default_backend() == "cpu"
-    assert sparse_mla_ffi.CPU_FWD_TARGET in text and sparse_mla_ffi.CPU_BWD_TARGET in text
+    assert sparse_mla_cpu.CPU_FWD_TARGET in text and sparse_mla_cpu.CPU_BWD_TARGET in text
 
 
 def test_baseline_kernels_match_xla():

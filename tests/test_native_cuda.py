@@ -15,7 +15,8 @@ import pytest
 
 from jax_dsa import _native, sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
-from jax_dsa.ops import sparse_mla_ffi
+from jax_dsa.ops.sparse_mla import cpu as sparse_mla_cpu
+from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
 
 # CI builds with nvcc on PATH, so there the module must be present (JAX_DSA_CUDA=OFF opts out).
 EXPECT_CUDA = shutil.which("nvcc") is not None and os.environ.get("JAX_DSA_CUDA", "AUTO") != "OFF"
@@ -26,12 +27,12 @@ def test_cuda_module_loads_or_reports_why():
         mod = _native.require("_cuda")
         assert tuple(mod.FFI_API_VERSION) == (0, 4)
         variants = set(map(tuple, mod.variants()))
-        want = {(h, d, k) for h in sparse_mla_ffi.KERNEL_HEADS for d in sparse_mla_ffi.KERNEL_D_QK
-                for k in sparse_mla_ffi.SLOT_BUCKETS}
+        want = {(h, d, k) for h in sparse_mla_cuda.KERNEL_HEADS for d in sparse_mla_cuda.KERNEL_D_QK
+                for k in sparse_mla_cuda.SLOT_BUCKETS}
         assert variants == want  # the glue's buckets are exactly the compiled ones
         # The handler's workspace formula and the glue's agree (frontend 1.32 SM90 formula).
         for s_q, s_kv, h, d in [(200, 1000, 64, 576), (77, 3000, 128, 512), (1, 1, 64, 512)]:
-            assert mod.workspace_bytes(s_q, s_kv, h, d) == sparse_mla_ffi.cuda_workspace_bytes(
+            assert mod.workspace_bytes(s_q, s_kv, h, d) == sparse_mla_cuda.cuda_workspace_bytes(
                 s_q, s_kv, h, d)
         assert mod.workspace_bytes(200, 1000, 64, 576) == 2 * 65536 + 1024 * 576 * 4
     else:
@@ -73,7 +74,7 @@ def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits=False):
 def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
     b, s_q, s_kv = 2, 70, 90
     text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k)
-    ours = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_BWD_TARGET]
+    ours = [c for c in calls if c[0] == sparse_mla_cuda.CUDA_BWD_TARGET]
     assert len(ours) == 1, set(c[0] for c in calls)
     _, _, attrs, operand_types, result_types = ours[0]
     t = b * s_q
@@ -82,10 +83,10 @@ def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
     assert f"tensor<{b * s_kv}x{d_qk}xbf16>" in operand_types
     assert f"tensor<{t}x{bucket}xi32>" in operand_types
     assert f"tensor<{t}xi32>" in operand_types
-    ws = sparse_mla_ffi.cuda_workspace_bytes(t, b * s_kv, hp, d_qk)
+    ws = sparse_mla_cuda.cuda_workspace_bytes(t, b * s_kv, hp, d_qk)
     assert f"tensor<{ws}xui8>" in result_types
     assert "sm_scale" in attrs
-    assert sparse_mla_ffi.CPU_BWD_TARGET not in text
+    assert sparse_mla_cpu.CPU_BWD_TARGET not in text
 
 
 def test_glue_normalises_indices_to_a_valid_prefix():
@@ -95,7 +96,7 @@ def test_glue_normalises_indices_to_a_valid_prefix():
     idx = rng.integers(-3, 10, (nb, s_q, k)).astype(np.int32)
     idx[1, 2] = -1
     length = rng.integers(0, k + 1, (nb, s_q)).astype(np.int32)
-    g_idx, g_len, empty = sparse_mla_ffi.cuda_index_glue(jnp.asarray(idx), jnp.asarray(length), s_kv)
+    g_idx, g_len, empty = sparse_mla_cuda.cuda_index_glue(jnp.asarray(idx), jnp.asarray(length), s_kv)
     g_idx, g_len, empty = map(np.asarray, (g_idx, g_len, empty))
     assert g_idx.shape == (nb, s_q, k)
     for b in range(nb):
@@ -208,7 +209,7 @@ def test_sm100_manifest_lists_the_blackwell_artifacts():
         assert f"int32_t {a['symbols']['wrapper']}(" in header
         assert f"void {a['symbols']['module_load']}(" in header
     # The workspace examples (the frontend's own size function at build time) against the
-    # generic non-deterministic SM100 formula of research/cudnn_dsa.md section 1.8.
+    # generic non-deterministic SM100 formula (nvidia-cudnn-frontend 1.32.0).
     ws = manifest["workspace"]
     r8, a128 = (lambda x: -(-x // 8) * 8), (lambda x: -(-x // 128) * 128)
     assert {(e["heads"], e["d_qk"]) for e in ws["examples"]} == {(64, 512), (64, 576), (128, 512),
@@ -260,9 +261,9 @@ def test_cuda_lowers_to_own_forward_and_backward_without_kv_gather(h, d_qk, k, h
                                                                    return_max_logits):
     b, s_q, s_kv = 2, 70, 90
     text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits)
-    fwd = [c for c in calls if c[0] == sparse_mla_ffi.CUDA_FWD_TARGET]
+    fwd = [c for c in calls if c[0] == sparse_mla_cuda.CUDA_FWD_TARGET]
     assert len(fwd) == 1, set(c[0] for c in calls)
-    assert sum(c[0] == sparse_mla_ffi.CUDA_BWD_TARGET for c in calls) == 1
+    assert sum(c[0] == sparse_mla_cuda.CUDA_BWD_TARGET for c in calls) == 1
     _, _, attrs, operand_types, result_types = fwd[0]
     t = b * s_q
     # Batch folded into tokens, heads padded to 64/128, slots padded to a multiple of 4.
@@ -292,7 +293,7 @@ def test_cuda_max_logits_is_the_forward_calls_third_result():
     assert [(x.shape, x.dtype) for x in shapes] == [
         ((b, s_q, h, 512), jnp.bfloat16), ((b, s_q, h), jnp.float32), ((b, s_q, h), jnp.float32)]
     text = jax.jit(f).trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
-    fwd = re.findall(rf"(%\w+):3 = stablehlo.custom_call @{sparse_mla_ffi.CUDA_FWD_TARGET}\(", text)
+    fwd = re.findall(rf"(%\w+):3 = stablehlo.custom_call @{sparse_mla_cuda.CUDA_FWD_TARGET}\(", text)
     assert len(fwd) == 1, text
     assert f"{fwd[0]}#2 " in text  # max_logits read from the kernel's third result
     assert "stablehlo.gather" not in text and "stablehlo.reduce" not in text
@@ -306,3 +307,28 @@ def test_cuda_on_the_host_fails_with_a_clear_error():
     with pytest.raises(Exception, match="needs an SM90 GPU"):
         sparse_mla(q, kv, jnp.zeros((4, 8), jnp.int32), sm_scale=0.1,
                    implementation="cuda")[0].block_until_ready()
+
+
+# The benchmarks' raw-pointer entries live in a library of their own beside _cuda, never in it.
+BENCH_ENTRIES = ("jax_dsa_dsa_bwd_raw_bench", "jax_dsa_sparse_mla_fwd_raw_bench")
+EXPECT_BENCH = os.environ.get("JAX_DSA_CUDA_BENCH", "ON") != "OFF"
+
+
+def test_benchmark_entries_are_in_the_bench_library_only():
+    import ctypes
+
+    if "cuda" not in _native.available():
+        pytest.skip(f"CUDA module not built: {_native.LOAD_ERRORS.get('_cuda')}")
+    module = ctypes.CDLL(_native.require("_cuda").__file__)
+    for name in BENCH_ENTRIES:
+        assert not hasattr(module, name), f"{name} is exported by the production module"
+    try:
+        path = _native.bench_library()
+    except FileNotFoundError:
+        if EXPECT_BENCH:
+            raise
+        pytest.skip("built with JAX_DSA_CUDA_BENCH=OFF: no benchmark library")
+    assert os.path.dirname(path) == os.path.dirname(_native.require("_cuda").__file__)
+    bench = ctypes.CDLL(path)
+    for name in BENCH_ENTRIES:
+        assert hasattr(bench, name), f"{name} is missing from {path}"

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from jax_dsa.configs import get_config
-from jax_dsa.configs_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from jax_dsa.configs.v4 import CSA, HCA, SLIDING, DeepseekV4Config
 from jax_dsa.nn.v4_attention import DeepseekV4Attention, GroupedLinear, unweighted_rms_norm
 
 ROOT = Path(__file__).resolve().parents[1]

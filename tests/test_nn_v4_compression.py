@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jax_dsa.configs import get_config
-from jax_dsa.configs_v4 import CSA, HCA
+from jax_dsa.configs.v4 import CSA, HCA
 from jax_dsa.nn.v4_compression import NO_ENTRY_POSITION, compression_layout, pool
 from jax_dsa.nn.v4_compressor import V4Compressor
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_dsa.configs import get_config
-from jax_dsa.configs_v4 import CSA, HCA, LAYER_TYPES, SLIDING
+from jax_dsa.configs.v4 import CSA, HCA, LAYER_TYPES, SLIDING
 from jax_dsa.nn.v4_slots import SLOT_BUCKETS, assemble, slot_bucket, slot_width, window
 
 

@@ -170,6 +170,86 @@ def test_attention_sink(sink, impl):
     np.testing.assert_array_equal(with_sink[2], without[2])
 
 
+def _cuda_runs_here():
+    """Whether "cuda" is built and the default device is a GPU its kernels run on (SM90)."""
+    if "cuda" not in sparse_mla_module.AVAILABLE or jax.default_backend() != "gpu":
+        return False
+    from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
+    return sparse_mla_cuda.device_error() is None
+
+
+# The host implementations, and "cuda" where it is built and a GPU it supports is present.
+ALL_IMPLS = HOST_IMPLS + [pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_runs_here(), reason="needs the CUDA module and an SM90 GPU"))]
+
+
+@pytest.mark.parametrize("pattern", ["all", "mixed"])
+@pytest.mark.parametrize("impl_name", ALL_IMPLS)
+def test_attention_sink_at_plus_inf(pattern, impl_name):
+    """A sink of +inf takes all of its head's mass: out, dq, dkv and d_attn_sink are exactly 0
+    for that head (no NaN from inf - inf; the cuDNN frontend's DSA tests require the 0), while
+    lse and max_logits stay sink-free and the other heads (finite and -inf sinks) match the
+    float64 oracle. Rows without a valid slot keep out = 0, lse = +inf and no gradient."""
+    rng = np.random.default_rng(21)
+    if impl_name == "cuda":  # the kernels' contract: bfloat16, D_qk 576, d_v 512
+        q, kv, idx = make_inputs(rng, (2,), 25, 40, 4, 576, 8)
+        q, kv = np.asarray(jnp.asarray(q, jnp.bfloat16)), np.asarray(jnp.asarray(kv, jnp.bfloat16))
+        d_v, sm_scale, tol, atol = 512, 576**-0.5, 2e-2, 2e-2
+    else:
+        q, kv, idx = make_inputs(rng, (2,), 25, 20, 4, 16, 8)
+        d_v, sm_scale, tol, atol = 16, 0.3, 1e-5, 1e-5
+    idx[0, 3] = -1  # rows without a valid slot
+    idx[1, 7] = -1
+    idx[1, 8, :5] = -1  # and one with a few
+    if pattern == "all":
+        sink = np.full(4, np.inf, np.float32)
+    else:  # +inf, finite, -inf and +inf heads
+        sink = np.array([np.inf, 0.7, -np.inf, np.inf], np.float32)
+    pos_inf = np.isposinf(sink)
+    dout = rng.standard_normal(q.shape[:-1] + (d_v,)).astype(q.dtype)
+    kw = dict(sm_scale=sm_scale, d_v=d_v, implementation=impl_name, attn_sink=jnp.asarray(sink))
+    out, lse, dq, dkv, dsink, max_logits = (
+        np.asarray(x, np.float64)
+        for x in run(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), jnp.asarray(dout),
+                     return_max_logits=True, **kw))
+    for name, x in zip(("out", "lse", "dq", "dkv", "d_attn_sink", "max_logits"),
+                       (out, lse, dq, dkv, dsink, max_logits)):
+        assert not np.any(np.isnan(x)), name
+    # The +inf heads: exact zeros.
+    np.testing.assert_array_equal(out[..., pos_inf, :], 0)
+    np.testing.assert_array_equal(dq[..., pos_inf, :], 0)
+    np.testing.assert_array_equal(dsink[pos_inf], 0)
+    if pos_inf.all():
+        np.testing.assert_array_equal(dkv, 0)
+    # Everything else against the float64 oracle (whose d_attn_sink is inf/inf = NaN on the
+    # +inf heads; its out, dq and dkv take exact zeros from them).
+    other = ~pos_inf
+    ref_dsink = np.zeros(4)
+    for b in range(2):
+        with np.errstate(invalid="ignore"):
+            r_out, r_lse, r_dq, r_dkv, r_dsink, r_max = oracle(q[b], kv[b], idx[b], sm_scale,
+                                                               d_v, sink, None, dout[b])
+        ref_dsink = ref_dsink + r_dsink
+        assert np.all(np.isfinite(r_out)) and np.all(np.isfinite(r_dq))
+        assert np.all(np.isfinite(r_dkv))
+        empty = ~np.isfinite(r_lse)
+        assert empty[3 if b == 0 else 7].all()
+        np.testing.assert_array_equal(np.isfinite(lse[b]), ~empty)
+        assert np.all(lse[b][empty] == np.inf) and np.all(max_logits[b][empty] == -np.inf)
+        np.testing.assert_array_equal(out[b][empty], 0)
+        np.testing.assert_array_equal(dq[b][empty], 0)
+        np.testing.assert_allclose(lse[b][~empty], r_lse[~empty], atol=atol)
+        np.testing.assert_allclose(max_logits[b][~empty], r_max[~empty], atol=atol)
+        if other.any():
+            assert rel_l2(out[b][..., other, :], r_out[..., other, :]) <= tol
+            assert rel_l2(dq[b][..., other, :], r_dq[..., other, :]) <= tol
+            assert rel_l2(dkv[b], r_dkv) <= tol
+    if other.any():
+        assert rel_l2(dsink[other], ref_dsink[other]) <= max(tol, 1e-5)
+        assert np.abs(ref_dsink[other]).max() > 1e-3  # the finite sink does take a gradient
+        assert np.abs(dkv).max() > 1e-3
+
+
 def test_sink_at_minus_inf_equals_no_sink(impl):
     rng = np.random.default_rng(4)
     q, kv, idx = make_inputs(rng, (), 10, 12, 2, 8, 4)

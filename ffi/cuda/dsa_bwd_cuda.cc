@@ -3,65 +3,29 @@
 // dsa_bwd_sm90.py), compiled ahead of time by export_dsa_bwd.py and launched here with no
 // compiler, no PyTorch and no allocation at run time.
 //
-// Contract (the public op's glue in jax_dsa/ops/sparse_mla_ffi.py prepares it): flat tokens,
-// bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] with K a compiled slot
-// bucket, valid slots a prefix of length topk_length >= 1, lse natural-log and sink-free
-// (+inf for rows without valid slots), attn_sink -inf for no sink. The workspace is an output
-// sized by WorkspaceBytes (the frontend's flash_attn_bwd_sm90_workspace_size).
+// Contract (the public op's glue in jax_dsa/ops/sparse_mla prepares it): flat tokens, bf16,
+// H, D_qk and d_v as compiled (jax_dsa/kernel_spec.py: H 64 or 128, D_qk 512 or 576, d_v 512),
+// indices [S_q, K] with K a compiled slot bucket, valid slots a prefix of length
+// topk_length >= 1, lse natural-log and sink-free (+inf for rows without valid slots),
+// attn_sink -inf for no sink. The workspace is an output sized by WorkspaceBytes (the
+// frontend's flash_attn_bwd_sm90_workspace_size). The benchmarks' raw-pointer entry is in
+// bench/dsa_bwd_bench.cc (a separate library), not in this module.
 
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include <nanobind/nanobind.h>
 
-#include "cuda/dsa_bwd_variants.h"
+#include "cuda/dsa_bwd_launch.h"
+#include "cuda/sparse_mla_fwd_variants.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_dsa {
 namespace {
-
-constexpr int64_t kTileM = 64, kTileN = 64, kHeadDimMultiple = 32, kCarveAlign = 128, kDv = 512;
-
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Scratch of one launch: fp32 dPsum and base-2 LSE [round64(S_q), H], fp32 dKV accumulator
-// [round64(S_kv), round32(D)], each chunk 128-byte aligned.
-int64_t StatsBytes(int64_t s_q, int64_t h) { return RoundUp(RoundUp(s_q, kTileM) * h * 4, kCarveAlign); }
-int64_t AccumElems(int64_t s_kv, int64_t d) { return RoundUp(s_kv, kTileN) * RoundUp(d, kHeadDimMultiple); }
-int64_t WorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t d) {
-  return 2 * StatsBytes(s_q, h) + RoundUp(AccumElems(s_kv, d) * 4, kCarveAlign);
-}
-
-const DsaBwdKernel* Find(const DsaBwdKernel* table, int n, int h, int d, int k) {
-  for (int i = 0; i < n; ++i) {
-    if ((h < 0 || table[i].h == h) && (d < 0 || table[i].d == d) && (k < 0 || table[i].topk == k))
-      return &table[i];
-  }
-  return nullptr;
-}
-
-// Loads every kernel module on every visible device, once per process. Called from the
-// INITIALIZE stage (outside any CUDA-graph capture) and, as a fallback, before the first launch.
-std::once_flag g_load_once;
-cudaError_t g_load_error = cudaSuccess;
-
-cudaError_t LoadAll() {
-  std::call_once(g_load_once, [] {
-    cudaGetLastError();
-    for (int i = 0; i < kNumPreKernels; ++i) kPreKernels[i].load();
-    for (int i = 0; i < kNumMainKernels; ++i) kMainKernels[i].load();
-    for (int i = 0; i < kNumPostKernels; ++i) kPostKernels[i].load();
-    g_load_error = cudaGetLastError();
-  });
-  return g_load_error;
-}
 
 ffi::Error CudaError(const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string("jax_dsa sparse_mla cuda backward: ") + what + ": " +
@@ -78,28 +42,11 @@ std::string Dims(ffi::Span<const int64_t> d) {
   return s + ")";
 }
 
+// Modules are loaded here, outside any CUDA-graph capture (and, as a fallback, before the first
+// launch).
 ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
-  cudaError_t e = LoadAll();
+  cudaError_t e = LoadBwdKernels();
   return e == cudaSuccess ? ffi::Error::Success() : CudaError("loading the kernel modules", e);
-}
-
-// Zeroes the atomically-accumulated outputs, then preprocess, main, postprocess on a.stream.
-ffi::Error Launch(const DsaBwdLaunch& a, int h, const DsaBwdKernel* pre, const DsaBwdKernel* main,
-                  const DsaBwdKernel* post) {
-  // The main kernel atomically adds into the dKV accumulator, the preprocess into d_sink.
-  if (cudaError_t e = cudaMemsetAsync(a.dkv_accum, 0, size_t(a.dkv_accum_n) * 4, a.stream); e != cudaSuccess)
-    return CudaError("zeroing the dKV accumulator", e);
-  if (cudaError_t e = cudaMemsetAsync(a.d_sink, 0, size_t(h) * 4, a.stream); e != cudaSuccess)
-    return CudaError("zeroing d_attn_sink", e);
-  for (const DsaBwdKernel* kern : {pre, main, post}) {
-    int32_t rc = kern->run(a);
-    cudaError_t e = cudaGetLastError();
-    if (rc != 0 || e != cudaSuccess) {
-      return CudaError((std::string("launching ") + kern->name + " (rc " + std::to_string(rc) + ")").c_str(),
-                       e != cudaSuccess ? e : cudaErrorLaunchFailure);
-    }
-  }
-  return ffi::Error::Success();
 }
 
 template <typename B>
@@ -121,8 +68,9 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
   if (!Is(kv, {s_kv, d})) return Invalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
-  if (!Is(out, {s_q, h, kDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, 512]");
-  if (!Is(dout, {s_q, h, kDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, 512]");
+  const std::string dv = std::to_string(kDsaBwdDv);
+  if (!Is(out, {s_q, h, kDsaBwdDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, " + dv + "]");
+  if (!Is(dout, {s_q, h, kDsaBwdDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, " + dv + "]");
   if (!Is(lse, {s_q, h})) return Invalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
   if (!Is(attn_sink, {h})) return Invalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
   if (!Is(indices, {s_q, k})) return Invalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
@@ -133,19 +81,19 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX)
     return Invalid("sequence too long for the 32-bit extents of the compiled kernels");
 
-  const DsaBwdKernel* pre = Find(kPreKernels, kNumPreKernels, int(h), -1, -1);
-  const DsaBwdKernel* post = Find(kPostKernels, kNumPostKernels, -1, int(d), -1);
-  const DsaBwdKernel* main = Find(kMainKernels, kNumMainKernels, int(h), int(d), int(k));
+  const DsaBwdKernel* pre = FindBwd(kPreKernels, kNumPreKernels, int(h), -1, -1);
+  const DsaBwdKernel* post = FindBwd(kPostKernels, kNumPostKernels, -1, int(d), -1);
+  const DsaBwdKernel* main = FindBwd(kMainKernels, kNumMainKernels, int(h), int(d), int(k));
   if (!pre || !post || !main) {
     return Invalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
-                   ", K=" + std::to_string(k) + " (H must be 64 or 128, D_qk 512 or 576, K a slot bucket)");
+                   ", K=" + std::to_string(k) + " (" + kDsaBwdSupported + ")");
   }
   const int64_t need = WorkspaceBytes(s_q, s_kv, h, d);
   if (workspace->element_count() < need) {
     return Invalid("workspace has " + std::to_string(workspace->element_count()) + " bytes, needs " +
                    std::to_string(need));
   }
-  if (cudaError_t e = LoadAll(); e != cudaSuccess) return CudaError("loading the kernel modules", e);
+  if (cudaError_t e = LoadBwdKernels(); e != cudaSuccess) return CudaError("loading the kernel modules", e);
 
   char* ws = static_cast<char*>(workspace->untyped_data());
   DsaBwdLaunch a;
@@ -165,59 +113,18 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   a.dkv_accum = reinterpret_cast<float*>(ws + 2 * StatsBytes(s_q, h));
   a.s_q = int32_t(s_q);
   a.s_kv = int32_t(s_kv);
-  a.s_q_rounded = int32_t(RoundUp(s_q, kTileM));
+  a.s_q_rounded = int32_t(RoundUp(s_q, kBwdTileM));
   a.dkv_accum_n = int32_t(AccumElems(s_kv, d));
   a.sm_scale = sm_scale;
   a.stream = stream;
 
-  return Launch(a, int(h), pre, main, post);
+  std::string what;
+  cudaError_t e = LaunchBwd(a, int(h), pre, main, post, &what);
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError(what.c_str(), e);
 }
 
 }  // namespace
 }  // namespace jax_dsa
-
-// Benchmark harness (benchmarks/gpu_dsa_bwd.py, through ctypes): the same kernels launched from
-// raw device pointers on a private stream, no XLA. Per iteration: CUDA-event time and host wall
-// time of launch + stream synchronisation. Returns 0, or a CUDA error code.
-extern "C" __attribute__((visibility("default"))) int jax_dsa_dsa_bwd_raw_bench(
-    const void* q, const void* kv, const void* out, const void* dout, const float* lse,
-    const float* attn_sink, const int32_t* indices, const int32_t* topk_length, void* dq,
-    void* dkv, float* d_sink, void* workspace, int s_q, int s_kv, int h, int d, int k,
-    float sm_scale, int iters, float* ms_events, double* ms_wall) {
-  using namespace jax_dsa;
-  const DsaBwdKernel* pre = Find(kPreKernels, kNumPreKernels, h, -1, -1);
-  const DsaBwdKernel* post = Find(kPostKernels, kNumPostKernels, -1, d, -1);
-  const DsaBwdKernel* main = Find(kMainKernels, kNumMainKernels, h, d, k);
-  if (!pre || !post || !main) return -1;
-  if (LoadAll() != cudaSuccess) return int(g_load_error);
-  char* ws = static_cast<char*>(workspace);
-  DsaBwdLaunch a{q, kv, out, dout, lse, attn_sink, indices, topk_length, dq, dkv, d_sink,
-                 reinterpret_cast<float*>(ws), reinterpret_cast<float*>(ws + StatsBytes(s_q, h)),
-                 reinterpret_cast<float*>(ws + 2 * StatsBytes(s_q, h)), s_q, s_kv,
-                 int32_t(RoundUp(s_q, kTileM)), int32_t(AccumElems(s_kv, d)), sm_scale, nullptr};
-  cudaStream_t stream;
-  cudaEvent_t e0, e1;
-  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) return int(e);
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  a.stream = stream;
-  int rc = 0;
-  for (int i = 0; i < iters && rc == 0; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    cudaEventRecord(e0, stream);
-    if (Launch(a, h, pre, main, post).failure()) rc = -2;
-    cudaEventRecord(e1, stream);
-    cudaError_t e = cudaStreamSynchronize(stream);
-    auto t1 = std::chrono::steady_clock::now();
-    if (e != cudaSuccess) rc = int(e);
-    cudaEventElapsedTime(&ms_events[i], e0, e1);
-    ms_wall[i] = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(stream);
-  return rc;
-}
 
 #define JAX_DSA_BWD_BINDING                                          \
   ffi::Ffi::Bind()                                                   \
@@ -278,6 +185,29 @@ NB_MODULE(_cuda, m) {
     }
     return l;
   }, "(H, D_qk, slot bucket) of every compiled main kernel.");
+  m.def("compiled_variants", []() {
+    nb::dict d, fwd, bwd;
+    nb::list fwd_v, main_v, pre_h, post_d;
+    for (int i = 0; i < jax_dsa::kNumSparseMlaFwdKernels; ++i)
+      fwd_v.append(nb::make_tuple(jax_dsa::kSparseMlaFwdKernels[i].h, jax_dsa::kSparseMlaFwdKernels[i].d));
+    fwd["variants"] = fwd_v;
+    fwd["d_v"] = jax_dsa::kSparseMlaFwdDv;
+    fwd["k_multiple"] = jax_dsa::kSparseMlaFwdKMultiple;
+    for (int i = 0; i < jax_dsa::kNumMainKernels; ++i) {
+      const auto& k = jax_dsa::kMainKernels[i];
+      main_v.append(nb::make_tuple(k.h, k.d, k.topk));
+    }
+    for (int i = 0; i < jax_dsa::kNumPreKernels; ++i) pre_h.append(jax_dsa::kPreKernels[i].h);
+    for (int i = 0; i < jax_dsa::kNumPostKernels; ++i) post_d.append(jax_dsa::kPostKernels[i].d);
+    bwd["variants"] = main_v;
+    bwd["pre_heads"] = pre_h;
+    bwd["post_d_qk"] = post_d;
+    bwd["d_v"] = jax_dsa::kDsaBwdDv;
+    d["forward"] = fwd;
+    d["backward"] = bwd;
+    return d;
+  }, "What the dispatch tables hold: forward (H, D_qk) variants, d_v and K multiple; backward "
+     "(H, D_qk, slot bucket) main kernels, pre-pass heads, post-pass D_qk and d_v.");
   m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("ARCH") = "sm_90a";
 }

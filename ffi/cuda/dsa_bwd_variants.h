@@ -42,5 +42,9 @@ extern const DsaBwdKernel kMainKernels[];
 extern const int kNumMainKernels;
 extern const DsaBwdKernel kPostKernels[];
 extern const int kNumPostKernels;
+// From jax_dsa/kernel_spec.py at build time: d_v of every variant, and the variants in words
+// (for the handler's messages).
+extern const int kDsaBwdDv;
+extern const char kDsaBwdSupported[];
 
 }  // namespace jax_dsa

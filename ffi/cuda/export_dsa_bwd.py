@@ -7,14 +7,15 @@ postprocess) on shape-symbolic fake tensors, compiles them with CuTe DSL (``nvid
 PyTorch are needed. It also writes ``dsa_bwd_variants.cc``: one table the FFI handler dispatches
 on, with a uniform launcher per variant.
 
-Variants (kept in step with ``jax_dsa/ops/sparse_mla_ffi.py``):
-  * dtype bfloat16; heads 64 and 128 (the public op pads fewer heads); D_qk 512 (d_v 512) and
-    576 (d_v 512); per-row valid counts (``topk_length``) on;
-  * slot widths by the ladder ``SLOT_BUCKETS`` (indices are padded with -1 to the bucket).
+Variants (from ``jax_dsa/kernel_spec.py``, which the public op's glue reads too):
+  * dtype bfloat16; heads ``SPARSE_MLA_HEADS`` (the public op pads fewer heads); D_qk
+    ``SPARSE_MLA_D_QK``, d_v ``SPARSE_MLA_D_V``; per-row valid counts (``topk_length``) on;
+  * slot widths by the ladder ``DSA_BWD_SLOT_BUCKETS`` (indices are padded with -1 to the bucket).
 
 Tensor layouts follow ``_interface_sm90.py`` of the same release (flat tokens as batch 1).
 
     python ffi/cuda/export_dsa_bwd.py --out-dir DIR [--jobs N]
+    python ffi/cuda/export_dsa_bwd.py --spec-stamp FILE   # the kernel_spec values it reads
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ import sys
 import time
 import types
 
-SLOT_BUCKETS = (128, 256, 512, 640, 1024, 1152, 2048)
-HEADS = (64, 128)
-HEAD_DIMS = (512, 576)
-D_V = 512
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_spec_loader  # noqa: E402
+
+SPEC = kernel_spec_loader.load(
+    ("SPARSE_MLA_HEADS", "SPARSE_MLA_D_QK", "SPARSE_MLA_D_V", "DSA_BWD_SLOT_BUCKETS"))
+SLOT_BUCKETS = SPEC["DSA_BWD_SLOT_BUCKETS"]
+HEADS = SPEC["SPARSE_MLA_HEADS"]
+HEAD_DIMS = SPEC["SPARSE_MLA_D_QK"]
+D_V = SPEC["SPARSE_MLA_D_V"]
 TILE_M = 64
 TILE_N = 64
 FRONTEND_VERSION = "1.32.0"
@@ -199,9 +205,18 @@ def write_table(out_dir: str, jobs) -> None:
             lines.append(f'    {{{h}, {d}, {k}, "{p}", &Load_{p}, &Run_{p}}},')
         lines.append("};")
         lines.append(f"const int kNum{kind.capitalize()}Kernels = {len(entries)};")
+    lines.append(f"const int kDsaBwdDv = {D_V};")
+    lines.append(f'const char kDsaBwdSupported[] = "H must be {words(HEADS)}, D_qk '
+                 f'{words(HEAD_DIMS)}, K a slot bucket";')
     lines += ["", "}  // namespace jax_dsa", ""]
     with open(os.path.join(out_dir, "dsa_bwd_variants.cc"), "w") as f:
         f.write("\n".join(lines))
+
+
+def words(values) -> str:
+    """(64, 128) -> "64 or 128", for the handlers' messages."""
+    v = [str(x) for x in values]
+    return v[0] if len(v) == 1 else ", ".join(v[:-1]) + " or " + v[-1]
 
 
 def _prefix(kind, h, d, k):
@@ -218,7 +233,13 @@ def main():
                     help="print the CuTe DSL cu13 folder (headers, static runtime) and exit")
     ap.add_argument("--list-outputs", action="store_true",
                     help="print the object files the export writes (one per line) and exit")
+    ap.add_argument("--spec-stamp", metavar="FILE",
+                    help="write the kernel_spec values the export reads to FILE (only if they "
+                         "changed) and exit")
     args = ap.parse_args()
+    if args.spec_stamp:
+        kernel_spec_loader.write_stamp(args.spec_stamp, SPEC)
+        return
     if args.print_runtime_dir:
         _import_kernels()  # also checks the frontend version
         print(_load_runtime())

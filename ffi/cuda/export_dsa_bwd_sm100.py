@@ -17,11 +17,14 @@ Variants (one object per arch, heads, D_qk, slot bucket):
   * heads 64; heads 128 only where the frontend also runs the generic class (for H128 at the
     widths its tuned two-CTA classes cover, it selects those instead: listed as not exported);
   * D_qk 512 and 576; slot buckets ``SLOT_BUCKETS`` (a reduced ladder: build time).
+Heads, D_qk, d_v and the buckets come from ``jax_dsa/kernel_spec.py`` (``SPARSE_MLA_HEADS``,
+``SPARSE_MLA_D_QK``, ``SPARSE_MLA_D_V``, ``DSA_BWD_SM100_SLOT_BUCKETS``).
 
 Each exported function takes the frontend's ``problem_shape`` flattened (the header generator
 refuses nested tuples) ahead of the tensors, so the compiled code is the frontend's.
 
     python ffi/cuda/export_dsa_bwd_sm100.py --out-dir DIR [--jobs N]
+    python ffi/cuda/export_dsa_bwd_sm100.py --spec-stamp FILE   # the kernel_spec values it reads
 """
 
 import argparse
@@ -35,12 +38,15 @@ import time
 # The SM90 build step's helpers: frontend version check, torch-free import, DSL runtime.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_dsa_bwd as sm90  # noqa: E402
+import kernel_spec_loader  # noqa: E402
 
+SPEC = kernel_spec_loader.load(
+    ("SPARSE_MLA_HEADS", "SPARSE_MLA_D_QK", "SPARSE_MLA_D_V", "DSA_BWD_SM100_SLOT_BUCKETS"))
 ARCHS = ("sm_100a", "sm_103a")
-SLOT_BUCKETS = (512, 640, 2048)
-HEADS = (64, 128)
-HEAD_DIMS = (512, 576)
-D_V = 512
+SLOT_BUCKETS = SPEC["DSA_BWD_SM100_SLOT_BUCKETS"]
+HEADS = SPEC["SPARSE_MLA_HEADS"]
+HEAD_DIMS = SPEC["SPARSE_MLA_D_QK"]
+D_V = SPEC["SPARSE_MLA_D_V"]
 BLOCK_TILE = 64
 # _interface_sm100._select_sm100_backend (1.32.0): on SM100/SM103, bf16, contiguous inputs, H128
 # with these widths runs the two-CTA classes (h128_2cta_m64 for D 512, h128_d576_2cta_m64 for 576).
@@ -256,7 +262,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--list-outputs", action="store_true",
                     help="print the files the export writes (one per line) and exit")
+    ap.add_argument("--spec-stamp", metavar="FILE",
+                    help="write the kernel_spec values the export reads to FILE (only if they "
+                         "changed) and exit")
     args = ap.parse_args()
+    if args.spec_stamp:
+        kernel_spec_loader.write_stamp(args.spec_stamp, SPEC)
+        return
     if args.list_outputs:
         print("\n".join(outputs()))
         return

@@ -2,49 +2,27 @@
 // (sparse_mla_fwd_sm90.py, CuTe DSL), compiled ahead of time by export_sparse_mla_fwd.py and
 // launched here on XLA's stream with no compiler, no PyTorch and no allocation at run time.
 //
-// Contract (FlashMLA v2 sparse prefill; the glue in jax_dsa/ops/sparse_mla_ffi.py prepares it):
-// flat tokens, bf16, H in {64, 128}, D_qk in {512, 576}, d_v 512, indices [S_q, K] (K >= 1 a
-// multiple of 4: the kernel prefetches each row of slot ids as one 16-byte-aligned block; a slot
-// is used iff its position < topk_length and 0 <= index < S_kv), attn_sink [H] (-inf for
-// none). Results: out [S_q, H, 512] bf16, lse [S_q, H] natural log and sink-free (+inf for rows
-// without a valid slot), max_logits [S_q, H] (-inf for such rows).
+// Contract (FlashMLA v2 sparse prefill; the glue in jax_dsa/ops/sparse_mla prepares it): flat
+// tokens, bf16, H, D_qk and d_v as compiled (jax_dsa/kernel_spec.py: H 64 or 128, D_qk 512 or
+// 576, d_v 512), indices [S_q, K] (K >= 1 a multiple of 4: the kernel prefetches each row of slot
+// ids as one 16-byte-aligned block; a slot is used iff its position < topk_length and
+// 0 <= index < S_kv), attn_sink [H] (-inf for none). Results: out [S_q, H, 512] bf16, lse
+// [S_q, H] natural log and sink-free (+inf for rows without a valid slot), max_logits [S_q, H]
+// (-inf for such rows). The benchmarks' raw-pointer entry is in bench/sparse_mla_fwd_bench.cc (a
+// separate library), not in this module.
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <string>
 
-#include "cuda/sparse_mla_fwd_variants.h"
+#include "cuda/sparse_mla_fwd_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_dsa {
 namespace {
-
-constexpr int64_t kDv = 512;
-
-const SparseMlaFwdKernel* FindFwd(int h, int d) {
-  for (int i = 0; i < kNumSparseMlaFwdKernels; ++i)
-    if (kSparseMlaFwdKernels[i].h == h && kSparseMlaFwdKernels[i].d == d) return &kSparseMlaFwdKernels[i];
-  return nullptr;
-}
-
-std::once_flag g_fwd_load_once;
-cudaError_t g_fwd_load_error = cudaSuccess;
-
-cudaError_t LoadFwd() {
-  std::call_once(g_fwd_load_once, [] {
-    cudaGetLastError();
-    for (int i = 0; i < kNumSparseMlaFwdKernels; ++i) kSparseMlaFwdKernels[i].load();
-    g_fwd_load_error = cudaGetLastError();
-  });
-  return g_fwd_load_error;
-}
 
 ffi::Error FwdCudaError(const std::string& what, cudaError_t e) {
   return ffi::Error::Internal("jax_dsa sparse_mla cuda forward: " + what + ": " + cudaGetErrorName(e) +
@@ -70,31 +48,8 @@ bool Shaped(const B& b, std::initializer_list<int64_t> want) {
   return true;
 }
 
-// The persistent kernel's grid: the current device's SM count, queried once per device.
-int32_t NumSms() {
-  static std::atomic<int32_t> cached[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  int32_t n = cached[dev].load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  int m = 0;
-  if (cudaDeviceGetAttribute(&m, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || m < 1)
-    m = 132;
-  cached[dev].store(m, std::memory_order_relaxed);
-  return m;
-}
-
-ffi::Error Launch(const SparseMlaFwdKernel* kern, const SparseMlaFwdLaunch& a) {
-  int32_t rc = kern->run(a);
-  cudaError_t e = cudaGetLastError();
-  if (rc != 0 || e != cudaSuccess)
-    return FwdCudaError(std::string("launching ") + kern->name + " (rc " + std::to_string(rc) + ")",
-                        e != cudaSuccess ? e : cudaErrorLaunchFailure);
-  return ffi::Error::Success();
-}
-
 ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
-  cudaError_t e = LoadFwd();
+  cudaError_t e = LoadFwdKernels();
   return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError("loading the kernel modules", e);
 }
 
@@ -109,62 +64,33 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
   if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + FwdDims(indices.dimensions()) + " must be [S_q, K]");
   if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + FwdDims(topk_length.dimensions()) + " must be [S_q]");
   if (!Shaped(attn_sink, {h})) return FwdInvalid("attn_sink " + FwdDims(attn_sink.dimensions()) + " must be [H]");
-  if (!Shaped(*out, {s_q, h, kDv}) || !Shaped(*lse, {s_q, h}) || !Shaped(*max_logits, {s_q, h}))
-    return FwdInvalid("results must be out [S_q, H, 512], lse [S_q, H], max_logits [S_q, H]");
+  if (!Shaped(*out, {s_q, h, kSparseMlaFwdDv}) || !Shaped(*lse, {s_q, h}) || !Shaped(*max_logits, {s_q, h}))
+    return FwdInvalid("results must be out [S_q, H, " + std::to_string(kSparseMlaFwdDv) +
+                      "], lse [S_q, H], max_logits [S_q, H]");
   if (s_q == 0) return ffi::Error::Success();
   if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
-  if (k % 4 != 0) return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of 4 (pad indices with -1)");
+  if (k % kSparseMlaFwdKMultiple != 0)
+    return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of " +
+                      std::to_string(kSparseMlaFwdKMultiple) + " (pad indices with -1)");
   // (the kernel's tile walk adds the grid size to a tile index)
   if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
     return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
   const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d));
   if (!kern)
     return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
-                      " (H must be 64 or 128, D_qk 512 or 576)");
-  if (cudaError_t e = LoadFwd(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+                      " (" + kSparseMlaFwdSupported + ")");
+  if (cudaError_t e = LoadFwdKernels(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
   SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
                        attn_sink.typed_data(), out->untyped_data(), lse->typed_data(),
                        max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream,
                        NumSms()};
-  return Launch(kern, a);
+  std::string what;
+  cudaError_t e = LaunchFwd(kern, a, &what);
+  return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError(what, e);
 }
 
 }  // namespace
 }  // namespace jax_dsa
-
-// Benchmark harness (through ctypes): the same kernel launched from raw device pointers on a
-// private stream, no XLA. CUDA-event time of each of `iters` launches into ms_events.
-// max_ctas > 0 caps the persistent grid (tests use it to make each CTA walk many tiles).
-// Returns 0, or a CUDA error code (negative: no such variant or K not a multiple of 4 / launch
-// failure).
-extern "C" __attribute__((visibility("default"))) int jax_dsa_sparse_mla_fwd_raw_bench(
-    const void* q, const void* kv, const int32_t* indices, const int32_t* topk_length,
-    const float* attn_sink, void* out, float* lse, float* max_logits, int s_q, int s_kv, int h,
-    int d, int k, float sm_scale, int iters, int max_ctas, float* ms_events) {
-  using namespace jax_dsa;
-  const SparseMlaFwdKernel* kern = FindFwd(h, d);
-  if (!kern || k % 4 != 0) return -1;
-  if (LoadFwd() != cudaSuccess) return int(g_fwd_load_error);
-  cudaStream_t stream;
-  cudaEvent_t e0, e1;
-  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) return int(e);
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  SparseMlaFwdLaunch a{q, kv, indices, topk_length, attn_sink, out, lse, max_logits, s_q, s_kv, k,
-                       sm_scale, stream, max_ctas > 0 ? std::min(NumSms(), max_ctas) : NumSms()};
-  int rc = 0;
-  for (int i = 0; i < iters && rc == 0; ++i) {
-    cudaEventRecord(e0, stream);
-    if (Launch(kern, a).failure()) rc = -2;
-    cudaEventRecord(e1, stream);
-    if (cudaError_t e = cudaEventSynchronize(e1); e != cudaSuccess) rc = int(e);
-    cudaEventElapsedTime(&ms_events[i], e0, e1);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(stream);
-  return rc;
-}
 
 #define JAX_DSA_FWD_BINDING                                          \
   ffi::Ffi::Bind()                                                   \

@@ -33,5 +33,10 @@ struct SparseMlaFwdKernel {
 
 extern const SparseMlaFwdKernel kSparseMlaFwdKernels[];
 extern const int kNumSparseMlaFwdKernels;
+// From jax_dsa/kernel_spec.py at build time: d_v of every variant, the multiple K must be, and
+// the variants in words (for the handler's messages).
+extern const int kSparseMlaFwdDv;
+extern const int kSparseMlaFwdKMultiple;
+extern const char kSparseMlaFwdSupported[];
 
 }  // namespace jax_dsa

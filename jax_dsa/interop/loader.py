@@ -1,129 +1,36 @@
 """Loading Hugging Face GLM-5 / GLM-5.2 / DeepSeek V3.2 checkpoints into :mod:`jax_dsa.nn`.
 
 The model is first built abstractly (``nnx.eval_shape``: shapes, dtypes and logical axes, no
-memory); each parameter is then read from the checkpoint and placed with
-``jax.make_array_from_callback``, which asks for one device's slice at a time. Host memory thus
-holds one device slice of one tensor at a time (plus the memory map of the shard it comes from),
-never the checkpoint. Routed experts, stored one tensor per expert, are stacked slice by slice.
+memory); each parameter is then streamed from the checkpoint, one device slice at a time, by
+:func:`jax_dsa.interop.reading.fill_state`, which also dequantises block-scaled FP8 weights
+(:class:`jax_dsa.interop.reading.CheckpointSource`).
 
-Block-scaled FP8 weights (``quantization_config.quant_method == "fp8"``: ``F8_E4M3`` tensors with
-``weight_scale_inv [ceil(out / b0), ceil(in / b1)]``, as in DeepSeek V3.2's release) are
-dequantised on the fly: ``w = w_fp8 * weight_scale_inv[i // b0, j // b1]`` (DeepSeek-V3
-``inference/fp8_cast_bf16.py`` / ``kernel.py weight_dequant``).
+:func:`load_hf_attention` hands DeepSeek V4 checkpoints to :mod:`jax_dsa.interop.v4`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from jax_dsa.configs import DSAConfig
 from jax_dsa.interop.hf_config import config_from_hf, read_hf_config
-from jax_dsa.interop.names import expert_keys, hf_key, is_ignored_key
+from jax_dsa.interop.names import hf_key, is_ignored_key
+from jax_dsa.interop.reading import CheckpointSource, fill_state
 from jax_dsa.interop.safetensors_io import CheckpointReader
+from jax_dsa.interop.v4 import MODEL_TYPE as V4_MODEL_TYPE
+from jax_dsa.interop.v4 import load_v4_attention
 from jax_dsa.nn.attention import DSAAttention
 from jax_dsa.nn.model import DSALanguageModel
-from jax_dsa.sharding.rules import current_rules, logical_to_spec
-
-SCALE_SUFFIX = "_scale_inv"
-DEFAULT_FP8_BLOCK = (128, 128)
 
 
 def load_hf_config(path: str | os.PathLike) -> DSAConfig:
     """The :class:`~jax_dsa.configs.DSAConfig` of a checkpoint directory's ``config.json``
     (see :func:`jax_dsa.interop.config_from_hf`)."""
     return config_from_hf(read_hf_config(path))
-
-
-class _Source:
-    """Reads (and dequantises) checkpoint tensors by key."""
-
-    def __init__(self, reader: CheckpointReader, hf: dict):
-        self.reader = reader
-        quant = hf.get("quantization_config") or {}
-        self.block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.reader.shape(key)
-
-    def read(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
-        r = self.reader
-        if not r.dtype(key).startswith("F8"):
-            return r.read(key, index)
-        scale_key = key + SCALE_SUFFIX
-        if scale_key not in r or len(r.shape(key)) != 2:
-            raise ValueError(
-                f"load_hf: {key} is FP8 ({r.dtype(key)}) without a 2-D block scale {scale_key}"
-            )
-        w = r.read(key, index).astype(np.float32)
-        shape = r.shape(key)
-        (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index, shape, strict=True))
-        b0, b1 = self.block
-        want = (-(-shape[0] // b0), -(-shape[1] // b1))
-        if r.shape(scale_key) != want:
-            raise ValueError(
-                f"load_hf: {scale_key} has shape {r.shape(scale_key)}, expected {want} for "
-                f"{shape} in blocks of {self.block}"
-            )
-        scale = r.read(scale_key, (slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))))
-        rows = np.arange(r0, r1) // b0 - r0 // b0
-        cols = np.arange(c0, c1) // b1 - c0 // b1
-        return w * scale.astype(np.float32)[rows[:, None], cols[None, :]]
-
-    def consumed(self, key: str) -> list[str]:
-        extra = key + SCALE_SUFFIX
-        return [key, extra] if extra in self.reader else [key]
-
-
-def _fill(abs_state: nnx.State, source: _Source, key_of: Callable, mesh: Mesh | None,
-          rules) -> tuple[nnx.State, set[str], list[str]]:
-    """Read every variable of ``abs_state``; returns the filled state, the consumed keys and the
-    missing keys."""
-    rules = tuple(current_rules() if rules is None else rules)
-    single = SingleDeviceSharding(jax.devices()[0])
-    consumed: set[str] = set()
-    missing: list[str] = []
-    flat = []
-    for path, var in nnx.to_flat_state(abs_state):
-        abstract = var.get_value()
-        shape, dtype = tuple(abstract.shape), abstract.dtype
-        key, stacked = key_of(path)
-        keys = expert_keys(key, shape[0]) if stacked else [key]
-        absent = [k for k in keys if k not in source.reader]
-        if absent:
-            missing.extend(absent)
-            continue
-        want = shape[1:] if stacked else shape
-        for k in keys:
-            if source.shape(k) != want:
-                raise ValueError(
-                    f"load_hf: {k} has shape {source.shape(k)} in the checkpoint, the model "
-                    f"expects {want}"
-                )
-            consumed.update(source.consumed(k))
-        if mesh is None:
-            sharding = single
-        else:
-            axes = var.get_metadata().get("out_sharding") or (None,) * len(shape)
-            sharding = NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape))
-        np_dtype = np.dtype(dtype)
-
-        def callback(index, keys=keys, stacked=stacked, shape=shape, np_dtype=np_dtype):
-            index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
-            if not stacked:
-                return source.read(keys[0], index).astype(np_dtype)
-            experts = range(*index[0].indices(shape[0]))
-            return np.stack([source.read(keys[e], index[1:]).astype(np_dtype) for e in experts])
-
-        value = jax.make_array_from_callback(shape, sharding, callback)
-        flat.append((path, var.replace(value)))
-    return nnx.from_flat_state(flat), consumed, missing
 
 
 def _check_keys(reader, consumed, missing, num_hidden_layers, tied, what):
@@ -198,8 +105,8 @@ def load_hf(
         return hf_key(p)
 
     with CheckpointReader(path) as reader:
-        state, consumed, missing = _fill(
-            abs_state, _Source(reader, hf), key_of, mesh, rules
+        state, consumed, missing = fill_state(
+            abs_state, CheckpointSource(reader, hf), key_of, mesh, rules
         )
         _check_keys(reader, consumed, missing, config.num_hidden_layers, tied, "load_hf")
     return nnx.merge(graphdef, state)
@@ -230,9 +137,7 @@ def load_hf_attention(
       ValueError: ``layer`` out of range, or the layer's tensors missing / of the wrong shape.
     """
     hf = read_hf_config(path)
-    if hf.get("model_type") == "deepseek_v4":
-        from jax_dsa.interop.v4 import load_v4_attention  # imports this module
-
+    if hf.get("model_type") == V4_MODEL_TYPE:
         return load_v4_attention(path, layer, dtype=dtype, mesh=mesh, rules=rules)
     config = config_from_hf(hf)
     if not 0 <= layer < config.num_hidden_layers:
@@ -245,8 +150,8 @@ def load_hf_attention(
     _, abs_state = nnx.split(abs_attn)
     prefix = f"model.layers.{layer}.self_attn."
     with CheckpointReader(path) as reader:
-        state, consumed, missing = _fill(
-            abs_state, _Source(reader, hf), lambda p: hf_key(p, prefix), mesh, rules
+        state, consumed, missing = fill_state(
+            abs_state, CheckpointSource(reader, hf), lambda p: hf_key(p, prefix), mesh, rules
         )
         if missing:
             raise ValueError(

@@ -9,8 +9,8 @@ conversion does (``conversion_mapping.py``, transformers 5.24; checked against i
 tests/test_nn_v4_attention.py).
 
 Weights stored as block-scaled FP8 with ``weight_scale_inv`` (transformers' FP8 format) are
-dequantised by the shared loader. DeepSeek's own FP8 layout (``.scale`` tensors in UE8M0) is not
-read here: convert such checkpoints with transformers first.
+dequantised by the shared reader (:mod:`jax_dsa.interop.reading`). DeepSeek's own FP8 layout
+(``.scale`` tensors in UE8M0) is not read here: convert such checkpoints with transformers first.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_dsa.configs_v4 import DeepseekV4Config
+from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.interop.hf_config import read_hf_config
+from jax_dsa.interop.reading import CheckpointSource, fill_state
 from jax_dsa.interop.safetensors_io import CheckpointReader
 from jax_dsa.nn.v4_attention import DeepseekV4Attention
 
@@ -91,8 +92,6 @@ def load_v4_attention(
       ValueError: not a DeepSeek V4 config, ``layer`` out of range, the layer's tensors missing
         or of the wrong shape, or unknown tensors under the layer's attention prefix.
     """
-    from jax_dsa.interop.loader import _fill, _Source  # the shared streaming reader
-
     hf = read_hf_config(path)
     if hf.get("model_type") != MODEL_TYPE:
         raise ValueError(
@@ -111,8 +110,8 @@ def load_v4_attention(
     with CheckpointReader(path) as reader:
         original = attention_key(("q_a_proj", "weight"), layer, True) in reader
         prefix = attention_prefix(layer, original)
-        state, consumed, missing = _fill(
-            abs_state, _Source(reader, hf),
+        state, consumed, missing = fill_state(
+            abs_state, CheckpointSource(reader, hf),
             lambda p: (attention_key(p, layer, original), False), mesh, rules,
         )
         if missing:

@@ -29,7 +29,7 @@ from jax_dsa.nn.indexer import Indexer
 from jax_dsa.nn.layers import Linear, RMSNorm
 from jax_dsa.nn.rope import apply_rope, rope_cos_sin
 from jax_dsa.nn.slots import dense_indices
-from jax_dsa.ops.indexer import indexer_kl_loss
+from jax_dsa.ops.indexer import KL_REGISTRY, indexer_kl_loss
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.sharding import constrain
 from jax_dsa.sharding.constraints import check_split, matching
@@ -147,7 +147,7 @@ class DSAAttention(nnx.Module):
         *,
         attention_mode: str = "sparse",
         indices=None,
-        implementation: str | None = None,
+        implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
     ):
         """Attention output and aux values.
@@ -162,7 +162,9 @@ class DSAAttention(nnx.Module):
             ``"dense"``: attend to every visible key (dense warm-up), through the same op.
           indices: optional ``[B, S, K]`` int slot lists to attend to instead (the previous full
             layer's top-k on a ``"shared"`` layer, or hand-made ones); ``-1`` = invalid slot.
-          implementation: passed to :func:`jax_dsa.sparse_mla`.
+          implementation: passed to every op the layer calls (:func:`jax_dsa.sparse_mla`,
+            ``indexer_topk``, ``indexer_kl_loss``): a name, a sequence of names or ``None``; an
+            op that lacks the named implementations uses its default order.
           compute_indexer_loss: compute the indexer KL loss (full layers only).
 
         Returns:
@@ -206,7 +208,8 @@ class DSAAttention(nnx.Module):
             if attention_mode == "dense":
                 indices = dense_indices(positions, positions, segment_ids, segment_ids)
             else:
-                indices = self.indexer.topk(*index_qkw, positions, segment_ids)
+                indices = self.indexer.topk(*index_qkw, positions, segment_ids,
+                                            implementation=implementation)
         indices = indices.astype(jnp.int32)
 
         o_lat, _ = sparse_mla(
@@ -222,5 +225,6 @@ class DSAAttention(nnx.Module):
                 *index_qkw, q, kv, sm_scale=c.softmax_scale, q_positions=positions,
                 kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 indices=None if attention_mode == "dense" else indices,
+                implementation=KL_REGISTRY.restrict(implementation),
             ).astype(jnp.float32)
         return out, {"indices": indices, "indexer_loss": loss}

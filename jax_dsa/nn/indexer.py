@@ -28,7 +28,7 @@ from jax.sharding import AxisType
 from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import LayerNorm, Linear
 from jax_dsa.nn.rope import apply_rope
-from jax_dsa.ops.indexer import indexer_topk
+from jax_dsa.ops.indexer import TOPK_REGISTRY, indexer_topk
 from jax_dsa.sharding import constrain
 from jax_dsa.sharding.constraints import check_split
 
@@ -100,13 +100,16 @@ class Indexer(nnx.Module):
         weights = constrain(weights, ("batch", "sequence", "index_heads"))
         return q, k, weights
 
-    def topk(self, q, k, weights, positions, segment_ids=None):
+    def topk(self, q, k, weights, positions, segment_ids=None, *, implementation=None):
         """Top-``min(index_topk, S)`` visible keys per query: ``[B, S, K]`` int32, ``-1`` padded.
 
-        See :func:`jax_dsa.ops.indexer.indexer_topk` for ordering and ties.
+        See :func:`jax_dsa.ops.indexer.indexer_topk` for ordering and ties. ``implementation``:
+        the layer's choice; the names :func:`~jax_dsa.ops.indexer.indexer_topk` lacks are
+        dropped (none left: its default order).
         """
         topk = min(self.config.index_topk, k.shape[-2])
         return indexer_topk(
             q, k, weights, topk=topk, q_positions=positions, kv_positions=positions,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            implementation=TOPK_REGISTRY.restrict(implementation),
         )

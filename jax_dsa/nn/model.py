@@ -115,7 +115,7 @@ class DSALanguageModel(nnx.Module):
         segment_ids=None,
         *,
         attention_mode: str = "sparse",
-        implementation: str | None = None,
+        implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
         return_indices: bool = False,
     ):
@@ -127,7 +127,7 @@ class DSALanguageModel(nnx.Module):
           segment_ids: ``[B, S]`` integer document ids for packed rows (default: one document).
           attention_mode: ``"sparse"`` (indexer top-k; ``"shared"`` layers reuse the previous
             full layer's) or ``"dense"`` (every visible key: the dense warm-up stage).
-          implementation: ``sparse_mla`` implementation (``None`` = best available).
+          implementation: passed to every DSA op of every layer (``None``: each op's default order).
           compute_indexer_loss: compute the per-layer indexer KL losses.
           return_indices: also return each layer's slot lists in ``aux["indices"]``.
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_dsa.configs_v4 import CSA, SLIDING, DeepseekV4Config
+from jax_dsa.configs.v4 import CSA, SLIDING, DeepseekV4Config
 from jax_dsa.nn.attention import check_positions
 from jax_dsa.nn.layers import Linear, RMSNorm, param
 from jax_dsa.nn.rope import rope_cos_sin
@@ -35,7 +35,7 @@ from jax_dsa.nn.v4_compressor import V4Compressor
 from jax_dsa.nn.v4_rope import apply_rope_tail
 from jax_dsa.nn.v4_slots import assemble, slot_width, window
 from jax_dsa.ops.sparse_mla import sparse_mla
-from jax_dsa.ops.v4_indexer_loss import v4_indexer_kl_loss
+from jax_dsa.ops.indexer import V4_KL_REGISTRY, v4_indexer_kl_loss
 from jax_dsa.sharding.constraints import (
     check_split, dividing, explicit_axes, out_spec, typed_spec, whole,
 )
@@ -93,7 +93,7 @@ class DeepseekV4Attention(nnx.Module):
     """One DeepSeek V4 attention layer of type ``config.layer_types[layer_idx]``.
 
     Args:
-      config: the model's :class:`~jax_dsa.configs_v4.DeepseekV4Config`.
+      config: the model's :class:`~jax_dsa.configs.v4.DeepseekV4Config`.
       layer_idx: which layer (selects the layer type, hence compression and RoPE).
       rngs: parameter RNG.
       dtype: compute dtype (``float32`` default, ``bfloat16`` for speed); ``param_dtype``: storage
@@ -154,7 +154,7 @@ class DeepseekV4Attention(nnx.Module):
         segment_ids=None,
         *,
         attention_mode: str = "sparse",
-        implementation: str | None = None,
+        implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
     ):
         """Attention output and aux values.
@@ -171,7 +171,9 @@ class DeepseekV4Attention(nnx.Module):
           attention_mode: ``"sparse"``: CSA layers attend to the indexer's top ``index_topk``
             entries; ``"dense"``: to every visible entry (the indexer's dense warm-up). Window-only
             and HCA layers are the same in both modes.
-          implementation: passed to :func:`jax_dsa.sparse_mla`.
+          implementation: passed to every op the layer calls (:func:`jax_dsa.sparse_mla`,
+            ``indexer_topk``, ``v4_indexer_kl_loss``): a name, a sequence of names or ``None``;
+            an op that lacks the named implementations uses its default order.
           compute_indexer_loss: compute the CSA indexer's KL loss (CSA layers only).
 
         Returns:
@@ -180,7 +182,7 @@ class DeepseekV4Attention(nnx.Module):
           from the bucket ladder), ``aux["topk_length"]`` ``[B, S]`` int32, ``aux["topk"]`` the
           CSA top-k into the compressed rows (``None`` elsewhere and in dense mode), and
           ``aux["indexer_loss"]`` a float32 scalar
-          (:func:`jax_dsa.ops.v4_indexer_loss.v4_indexer_kl_loss`; dense form in dense mode,
+          (:func:`jax_dsa.ops.indexer.v4_indexer_kl_loss`; dense form in dense mode,
           over the chosen entries in sparse mode) or ``None``.
 
         Raises:
@@ -220,7 +222,8 @@ class DeepseekV4Attention(nnx.Module):
                 indexer = self.compressor.indexer
                 index_qkw = indexer(x, c_q, positions, layout)
             if self.layer_type == CSA and attention_mode == "sparse":
-                topk = indexer.topk(*index_qkw, positions, layout, segment_ids)
+                topk = indexer.topk(*index_qkw, positions, layout, segment_ids,
+                                    implementation=implementation)
                 indices, lengths = assemble(
                     first_row, n_window, width, compressed=topk, compressed_offset=s
                 )
@@ -253,6 +256,7 @@ class DeepseekV4Attention(nnx.Module):
                 q_positions=positions, kv_positions=layout.positions,
                 q_segment_ids=query_segments(positions, segment_ids),
                 kv_segment_ids=layout.segment_ids, indices=topk,
+                implementation=V4_KL_REGISTRY.restrict(implementation),
             ).astype(jnp.float32)
         aux = {"indices": indices, "topk_length": lengths, "topk": topk, "indexer_loss": loss}
         return out, aux

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dsa.configs_v4 import CSA, HCA, DeepseekV4Config
+from jax_dsa.configs.v4 import CSA, HCA, DeepseekV4Config
 from jax_dsa.nn.layers import Linear, RMSNorm, param
 from jax_dsa.nn.rope import rope_cos_sin
 from jax_dsa.nn.v4_compression import CompressionLayout, pool
@@ -26,7 +26,7 @@ class V4Compressor(nnx.Module):
     """Compressor of one CSA or HCA layer.
 
     Args:
-      config: the model's :class:`~jax_dsa.configs_v4.DeepseekV4Config`.
+      config: the model's :class:`~jax_dsa.configs.v4.DeepseekV4Config`.
       layer_type: ``"compressed_sparse_attention"`` (overlapping windows, ratio
         ``compress_rate_csa``, owns a :class:`~jax_dsa.nn.v4_indexer.V4Indexer`) or
         ``"heavily_compressed_attention"`` (ratio ``compress_rate_hca``, no indexer).

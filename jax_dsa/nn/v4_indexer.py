@@ -16,7 +16,7 @@ The inference path's Hadamard rotation and FP4 quantization are not applied (the
 dot products; the quantization is an inference precision choice).
 
 The inputs ``x`` and ``c_q`` are wrapped in ``stop_gradient``: the indexer learns only from its
-KL loss (:func:`jax_dsa.ops.v4_indexer_loss.v4_indexer_kl_loss`).
+KL loss (:func:`jax_dsa.ops.indexer.v4_indexer_kl_loss`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dsa.configs_v4 import DeepseekV4Config
+from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.nn.layers import Linear, RMSNorm, param
 from jax_dsa.nn.rope import rope_cos_sin
 from jax_dsa.nn.v4_compression import CompressionLayout, pool, query_segments
 from jax_dsa.nn.v4_rope import apply_rope_tail
-from jax_dsa.ops.indexer import indexer_topk
+from jax_dsa.ops.indexer import TOPK_REGISTRY, indexer_topk
 from jax_dsa.sharding.constraints import check_split
 
 
@@ -110,13 +110,16 @@ class V4Indexer(nnx.Module):
         weights = self.scorer.weights_proj(x.astype(jnp.float32)) * c.indexer_weight_scale
         return q, k, weights
 
-    def topk(self, q, k, weights, positions, layout: CompressionLayout, segment_ids=None):
+    def topk(self, q, k, weights, positions, layout: CompressionLayout, segment_ids=None, *,
+             implementation=None):
         """Top ``min(index_topk, C)`` visible compressed entries per query: ``[B, S, K]`` int32
         indices into the compressed rows, ``-1`` padded at the end (see
-        :func:`jax_dsa.ops.indexer.indexer_topk` for ordering and ties)."""
+        :func:`jax_dsa.ops.indexer.indexer_topk` for ordering and ties). ``implementation``: the
+        layer's choice, restricted to the names ``indexer_topk`` has."""
         topk = min(self.config.index_topk, k.shape[-2])
         return indexer_topk(
             q, k, weights, topk=topk, q_positions=positions, kv_positions=layout.positions,
             q_segment_ids=query_segments(positions, segment_ids),
             kv_segment_ids=layout.segment_ids,
+            implementation=TOPK_REGISTRY.restrict(implementation),
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_dsa.configs_v4 import DeepseekV4Config
+from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.nn.layers import RMSNorm
 from jax_dsa.nn.mlp import MLP
 from jax_dsa.nn.model import check_lm_inputs, init_decoder
@@ -53,7 +53,7 @@ class DeepseekV4LanguageModel(nnx.Module):
     RMSNorm, LM head. Same call signature as :class:`jax_dsa.nn.DSALanguageModel`.
 
     Args:
-      config: a :class:`~jax_dsa.configs_v4.DeepseekV4Config` (e.g.
+      config: a :class:`~jax_dsa.configs.v4.DeepseekV4Config` (e.g.
         ``get_config("deepseek-v4-tiny")``).
       rngs: parameter RNG.
       dtype: compute dtype; ``param_dtype``: storage dtype of the parameters.
@@ -74,7 +74,7 @@ class DeepseekV4LanguageModel(nnx.Module):
         segment_ids=None,
         *,
         attention_mode: str = "sparse",
-        implementation: str | None = None,
+        implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
         return_indices: bool = False,
     ):
@@ -87,7 +87,7 @@ class DeepseekV4LanguageModel(nnx.Module):
           segment_ids: optional ``[B, S]`` document ids of packed rows.
           attention_mode: ``"sparse"`` (CSA layers use the indexer's top-k) or ``"dense"`` (CSA
             layers attend to every visible compressed entry: the indexer's warm-up).
-          implementation: ``sparse_mla`` implementation (``None`` = best available).
+          implementation: passed to every DSA op of every layer (``None``: each op's default order).
           compute_indexer_loss: compute the CSA layers' indexer KL losses.
           return_indices: also return each layer's slot lists (``aux["indices"]``) and lengths
             (``aux["topk_length"]``).

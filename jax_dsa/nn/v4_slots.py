@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.configs_v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from jax_dsa.configs.v4 import CSA, HCA, SLIDING, DeepseekV4Config
 
 SLOT_ALIGN = 128
 # Multiples of 128 up to 1152, then 2**k and 1.5 * 2**k up to 2**24.

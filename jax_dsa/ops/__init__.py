@@ -1,1 +1,3 @@
-"""The public DSA ops: implementation choice, validation and custom VJPs live here."""
+"""The public DSA ops, one package each (:mod:`~jax_dsa.ops.sparse_mla`,
+:mod:`~jax_dsa.ops.indexer`), each choosing among the implementations of its registry
+(:mod:`~jax_dsa.ops.registry`)."""

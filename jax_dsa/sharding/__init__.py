@@ -1,15 +1,22 @@
 """Sharding of the DSA ops and layers: data (dp), tensor (tp) and context (cp) parallelism.
 
-* :mod:`~jax_dsa.sharding.partition`: how ``sparse_mla``, ``indexer_topk`` and
-  ``indexer_kl_loss`` split themselves under ``jax.jit`` (custom_partitioning with a Shardy
-  rule for ``Auto`` mesh axes, ``shard_map`` for ``Explicit`` ones).
+* :mod:`~jax_dsa.sharding.partition`: the engine the ops split themselves with under
+  ``jax.jit`` (custom_partitioning with a Shardy rule for ``Auto`` mesh axes, ``shard_map`` for
+  ``Explicit`` ones); each op's role tables live in its own package (``jax_dsa.ops``).
 * :mod:`~jax_dsa.sharding.rules`: logical axis names -> mesh axes (:data:`DEFAULT_RULES`).
 * :mod:`~jax_dsa.sharding.constraints`: :func:`constrain`, the layers' activation constraints.
 * :mod:`~jax_dsa.sharding.zigzag`: causal load balance of context parallelism.
 """
 
 from jax_dsa.sharding.constraints import constrain
-from jax_dsa.sharding.partition import Layout, derive_layout, head_logsumexp, partitioned_call
+from jax_dsa.sharding.partition import (
+    Layout,
+    Result,
+    derive_layout,
+    head_logsumexp,
+    partitioned_call,
+    typed_like,
+)
 from jax_dsa.sharding.rules import (
     CONTEXT,
     DATA,
@@ -35,6 +42,7 @@ __all__ = [
     "DEFAULT_RULES",
     "Layout",
     "MESH_AXES",
+    "Result",
     "TENSOR",
     "axis_rules",
     "causal_work",
@@ -47,6 +55,7 @@ __all__ = [
     "logical_to_spec",
     "partitioned_call",
     "to_zigzag",
+    "typed_like",
     "work_per_shard",
     "zigzag_permutation",
 ]

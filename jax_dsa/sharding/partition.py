@@ -29,8 +29,7 @@ A result also names the roles whose axes it is summed over (``"bs"``: a partial 
 local batch and query rows). The layout comes from the first operand carrying each role (the
 query). Row indices into the keys are global, so a context-parallel shard's indices point into
 the gathered keys unchanged. Pattern: all-gather context parallelism as in Megatron-LM's DSA
-(``cp_comm_type=allgather``) and NVIDIA TransformerEngine's ``FusedAttnCPWithAllGather``; see
-``shared/research/jax_ffi.md`` section 5 and ``models.md`` section 3.
+(``cp_comm_type=allgather``) and NVIDIA TransformerEngine's ``FusedAttnCPWithAllGather``.
 """
 
 from __future__ import annotations
@@ -209,16 +208,28 @@ def partitioned_call(name: str, local, args, roles, results):
       name: the op's name (error messages).
       local: ``local(layout, *args) -> tuple`` computing on one shard's operands, with every
         ``t`` dim whole; it may use collectives over ``layout``'s axes.
-      args: the operands (arrays).
-      roles: one role string per operand.
+      args: the operands (arrays, or ``None`` for an absent optional operand: ``local`` gets
+        ``None`` in its place).
+      roles: one role string per operand (any string for a ``None`` operand).
       results: one :class:`Result` per output of ``local``.
 
     Raises:
       ValueError: role strings that do not fit the operands.
     """
-    args = tuple(args)
-    roles = tuple(roles)
-    results = tuple(results)
+    args, roles, results = tuple(args), tuple(roles), tuple(results)
+    if len(args) != len(roles):
+        raise ValueError(f"{name}: {len(args)} operands but {len(roles)} role strings")
+    if any(x is None for x in args):  # drop absent operands; give local None in their place
+        keep = tuple(i for i, x in enumerate(args) if x is not None)
+        n, inner = len(args), local
+
+        def local(layout, *present):
+            full = [None] * n
+            for i, x in zip(keep, present):
+                full[i] = x
+            return inner(layout, *full)
+
+        args, roles = tuple(args[i] for i in keep), tuple(roles[i] for i in keep)
     _check_roles(name, args, roles, results)
 
     if not any(isinstance(x, jax.core.Tracer) for x in args) and not any(
@@ -346,63 +357,7 @@ def head_logsumexp(x, axis: int, layout: Layout):
     return m + jnp.log(total)
 
 
-# ----------------------------------------------------------------------------------------------
-# The ops' partitioned kernels
-
-# sparse_mla on flattened batches: q [NB, S_q, H, D_qk], kv [NB, S_kv, D_qk],
-# indices [NB, S_q, K], sink [H], lengths [NB, S_q].
-SPARSE_MLA_FWD_ROLES = ("bsh.", "bt.", "bs.", "h", "bs")
-SPARSE_MLA_FWD_RESULTS = (Result("bsh."), Result("bsh"), Result("bsh"))  # out, lse, max_logits
-SPARSE_MLA_BWD_ROLES = SPARSE_MLA_FWD_ROLES + ("bsh.", "bsh", "bsh.")  # + out, lse, dout
-# dq; dkv summed over the local heads and query rows; d_attn_sink over the local rows.
-SPARSE_MLA_BWD_RESULTS = (Result("bsh."), Result("bT.", "h"), Result("h", "bs"))
-
-
-def sparse_mla_forward(forward):
-    """Decorates ``forward(q, kv, indices, sink, lengths, config) -> (out, lse, max_logits)``
-    (flattened batch, any implementation) so that it partitions itself; ``lse`` and
-    ``max_logits`` are per query and head, split like ``out``."""
-
-    @functools.wraps(forward)
-    def wrapped(q, kv, indices, sink, lengths, config):
-        def local(layout, *a):
-            return tuple(forward(*a, config))
-
-        return partitioned_call(
-            "sparse_mla", local, (q, kv, indices, sink, lengths), SPARSE_MLA_FWD_ROLES,
-            SPARSE_MLA_FWD_RESULTS,
-        )
-
-    return wrapped
-
-
-def sparse_mla_backward(bwd_rule):
-    """Decorates the custom-VJP backward ``bwd_rule(config, residuals, cotangents) ->
-    (dq, dkv, None, d_sink, None)`` so that it partitions itself; ``dkv`` is reduce-scattered
-    over the sequence axes and summed over the head axes, ``d_sink`` summed over batch and
-    sequence axes."""
-
-    @functools.wraps(bwd_rule)
-    def wrapped(config, residuals, cotangents):
-        q, kv, indices, sink, lengths, out, lse = residuals
-        dout = cotangents[0]
-
-        def local(layout, q, kv, indices, sink, lengths, out, lse, dout):
-            dq, dkv, _, dsink, _ = bwd_rule(
-                config, (q, kv, indices, sink, lengths, out, lse), (dout, None, None)
-            )
-            return dq, dkv, dsink
-
-        dq, dkv, dsink = partitioned_call(
-            "sparse_mla backward", local, (q, kv, indices, sink, lengths, out, lse, dout),
-            SPARSE_MLA_BWD_ROLES, SPARSE_MLA_BWD_RESULTS,
-        )
-        return _typed_like(dq, q), _typed_like(dkv, kv), None, _typed_like(dsink, sink), None
-
-    return wrapped
-
-
-def _typed_like(g, x):
+def typed_like(g, x):
     """``g`` typed like ``x``: a custom VJP must return each cotangent with its primal's type.
 
     Inside ``shard_map`` (``check_vma``) the type says over which manual axes a value varies:
@@ -419,106 +374,3 @@ def _typed_like(g, x):
     if jax.typeof(g).sharding.spec == sharding.spec:
         return g
     return jax.sharding.reshard(g, sharding.spec)
-
-
-def _present(args, roles):
-    keep = tuple(i for i, x in enumerate(args) if x is not None)
-    return tuple(args[i] for i in keep), tuple(roles[i] for i in keep), keep, len(args)
-
-
-def _rebuild(flat, keep, n):
-    full = [None] * n
-    for i, x in zip(keep, flat):
-        full[i] = x
-    return full
-
-
-# indexer_topk on flattened batches: q [NB, S_q, H_I, D_I], k [NB, S_kv, D_I],
-# weights [NB, S_q, H_I], q_positions [NB, S_q], kv_positions [NB, S_kv], segment ids alike.
-# Index heads are not split: every head shard computes the same top-k (Megatron-LM's
-# "duplicated" indexer), so the selection is identical on all of them.
-INDEXER_ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")
-
-
-def indexer_topk(one, q, k, weights, q_pos, kv_pos, q_seg, kv_seg):
-    """Partitioned ``jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg)`` (segment ids
-    may be ``None``): ``[NB, S_q, K]`` int32 global key indices."""
-    flat, roles, keep, n = _present((q, k, weights, q_pos, kv_pos, q_seg, kv_seg), INDEXER_ROLES)
-
-    def local(layout, *a):
-        return (jax.vmap(one)(*_rebuild(a, keep, n)),)
-
-    return partitioned_call("indexer_topk", local, flat, roles, (Result("bs."),))[0]
-
-
-# indexer_kl_loss adds the main attention's q [NB, S_q, H, D_qk] (split by head), kv
-# [NB, S_kv, D_qk] and the optional slots [NB, S_q, K].
-KL_ROLES = INDEXER_ROLES + ("bsh.", "bt.", "bs.")
-KL_RESULTS = (Result("b", "s"), Result("b", "s"))  # per batch element: KL sum, row count
-KL_GRAD_RESULTS = (Result("bs.."), Result("bT."), Result("bs."))  # d index_q, index_k, weights
-
-
-def indexer_kl_loss(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q, kv,
-                    indices, roles=KL_ROLES):
-    """Partitioned, differentiable ``jax.vmap(one(layout))(...)`` of the indexer KL loss.
-
-    ``one(layout)`` returns the per-batch-element function ``(index_q, index_k, index_weights,
-    q_pos, kv_pos, q_seg, kv_seg, q, kv, indices) -> (kl_sum, row_count)``; with heads split it
-    must sum the target's head mean across ``layout.heads`` (see :func:`head_logsumexp`).
-    Returns ``(kl_sum [NB], row_count [NB])``. Gradients reach ``index_q``, ``index_k`` and
-    ``index_weights`` only (``q`` and ``kv`` are the detached target).
-    """
-    return _kl(one, roles, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q, kv,
-               indices)
-
-
-# DeepSeek V4's loss adds the main attention's log denominator attention_lse [NB, S_q, H]
-# (split by head, like q) before the slots.
-V4_KL_ROLES = KL_ROLES[:-1] + ("bsh", "bs.")
-
-
-def v4_indexer_kl_loss(one, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg, q,
-                       kv, attention_lse, indices):
-    """:func:`indexer_kl_loss` for DeepSeek V4's loss (``one`` also takes ``attention_lse``)."""
-    return _kl(one, V4_KL_ROLES, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg,
-               q, kv, attention_lse, indices)
-
-
-def _kl_local(one, keep, n):
-    def local(layout, *a):
-        return tuple(jax.vmap(one(layout))(*_rebuild(a, keep, n)))
-
-    return local
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _kl(one, all_roles, *args):
-    flat, roles, keep, n = _present(args, all_roles)
-    return partitioned_call("indexer_kl_loss", _kl_local(one, keep, n), flat, roles, KL_RESULTS)
-
-
-def _kl_fwd(one, all_roles, *args):
-    return _kl(one, all_roles, *args), args
-
-
-def _kl_bwd(one, all_roles, args, cotangents):
-    g = cotangents[0]
-    flat, roles, keep, n = _present(args, all_roles)
-
-    def local(layout, g, iq, ik, iw, *rest):
-        f = _kl_local(one, keep, n)
-
-        def kl_of(iq, ik, iw):
-            return f(layout, iq, ik, iw, *rest)[0]
-
-        _, vjp = jax.vjp(kl_of, iq, ik, iw)
-        return vjp(g)
-
-    grads = partitioned_call(
-        "indexer_kl_loss backward", local, (g,) + flat, ("b",) + roles, KL_GRAD_RESULTS
-    )
-    grads = tuple(_typed_like(gr, x) for gr, x in zip(grads, args))
-    return grads + (None,) * (len(args) - 3)
-
-
-_kl.defvjp(_kl_fwd, _kl_bwd)

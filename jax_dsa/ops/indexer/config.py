@@ -1,0 +1,80 @@
+"""The static descriptions of indexer calls, shared by the ops and their implementations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkCall:
+    """What a top-k implementation's ``supported`` check sees of a call (after validation).
+
+    Attributes:
+      dtype: the promoted dtype of ``q``, ``k``, ``weights``. index_n_heads, index_head_dim: the
+      indexer's heads and width. s_q, s_kv: query and key counts. topk: keys per query.
+      segments: whether segment ids were given.
+    """
+
+    dtype: np.dtype
+    index_n_heads: int
+    index_head_dim: int
+    s_q: int
+    s_kv: int
+    topk: int
+    segments: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    """Static configuration of one top-k call (hashable).
+
+    Attributes:
+      topk: keys per query actually selected (``min(topk, S_kv)``; the op pads the rest).
+      block_q: query rows per block of the ``"xla"`` implementation.
+      implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
+    """
+
+    topk: int
+    block_q: int
+    implementation: object
+
+
+@dataclasses.dataclass(frozen=True)
+class KLCall:
+    """What a KL-loss implementation's ``supported`` check sees of a call (after validation).
+
+    Attributes:
+      dtype: the promoted dtype of every float input. index_n_heads, index_head_dim: the
+      indexer's heads and width. h, d_qk: the main attention's heads and width. s_q, s_kv: query
+      and key counts. topk: slots per query, ``None`` for the dense form. segments: whether
+      segment ids were given.
+    """
+
+    dtype: np.dtype
+    index_n_heads: int
+    index_head_dim: int
+    h: int
+    d_qk: int
+    s_q: int
+    s_kv: int
+    topk: int | None
+    segments: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+    """Static configuration of one KL-loss call (hashable).
+
+    Attributes:
+      sm_scale: the main attention's softmax scale.
+      h: the main attention's total head count (the target's head mean spans every head shard).
+      block_q: query rows per block of the ``"xla"`` implementation.
+      implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
+    """
+
+    sm_scale: float
+    h: int
+    block_q: int
+    implementation: object

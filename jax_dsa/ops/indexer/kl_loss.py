@@ -1,0 +1,119 @@
+"""``indexer_kl_loss``: the lightning indexer's training loss (the public op).
+
+DeepSeek-V3.2 paper (arXiv:2512.02556) §2.1: the KL divergence from the main attention's
+head-mean distribution to the indexer's softmax, dense (warm-up) or over the selected slots.
+Its custom VJP and sharding contract: :mod:`jax_dsa.ops.indexer.kl_vjp`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer import kl_loss_xla
+from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args, flatten_batch
+from jax_dsa.ops.indexer.config import KLCall, KLConfig
+from jax_dsa.ops.indexer.kl_vjp import ROLES, kl_call, mean_of_rows
+from jax_dsa.ops.registry import Registry
+
+REGISTRY = Registry("indexer_kl_loss", (kl_loss_xla.IMPLEMENTATION,),
+                    preference={"default": ("xla",)})
+
+
+def indexer_kl_loss(
+    index_q,
+    index_k,
+    index_weights,
+    q,
+    kv,
+    *,
+    sm_scale,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    indices=None,
+    block_q=None,
+    implementation=None,
+):
+    """The indexer's training loss: KL from the main attention's head-mean distribution.
+
+    DeepSeek-V3.2 paper §2.1. For each query row ``t`` with a non-empty support ``S_t``::
+
+        p[t, s]  = mean_h softmax_{s in S_t}(sm_scale * q[t, h] . kv[s])     (target)
+        pI[t, s] = softmax_{s in S_t}(I[t, s])                               (indexer)
+        KL_t     = sum_{s in S_t} p[t, s] * (log p[t, s] - log pI[t, s])     (natural log)
+
+    with ``I`` the index score of :func:`~jax_dsa.ops.indexer.topk.indexer_topk`. The loss is the mean of ``KL_t`` over
+    all rows (of all batch elements) whose support is non-empty; it is 0 when no row has one.
+    Terms with ``p = 0`` count as 0.
+
+    * Dense form (``indices=None``, the warm-up stage): ``S_t`` = every key visible to ``t``
+      (see :func:`~jax_dsa.ops.indexer.common.visible_mask`).
+    * Sparse form (``indices [..., S_q, K]``): ``S_t`` = the row's slots ``j`` with
+      ``0 <= indices[t, j] < S_kv`` (``-1`` and out-of-range mark an invalid slot, as in
+      :func:`jax_dsa.sparse_mla`) whose key is visible to ``t``; duplicate indices count as
+      separate slots. Target and indexer softmax are both renormalised over ``S_t``. For
+      indices from :func:`indexer_topk` with the same positions every valid slot is visible, and
+      ``p`` is the head mean of ``sparse_mla``'s attention probabilities (no sink).
+
+    Gradients flow to ``index_q``, ``index_k`` and ``index_weights`` only. ``q`` and ``kv`` are
+    wrapped in ``stop_gradient`` (the paper's detached target: the indexer learns only from this
+    loss; give the LM loss the indexer's output only through ``indexer_topk``, which carries no
+    gradient). The per-block body is rematerialised, so the backward pass needs no
+    ``[S_q, S_kv]`` residuals.
+
+    Args:
+      index_q: ``[..., S_q, index_n_heads, index_head_dim]`` float indexer queries.
+      index_k: ``[..., S_kv, index_head_dim]`` float indexer keys.
+      index_weights: ``[..., S_q, index_n_heads]`` float head weights (scale folded in).
+      q: ``[..., S_q, H, D_qk]`` float main-attention queries (absorbed MLA form, as fed to
+        ``sparse_mla``).
+      kv: ``[..., S_kv, D_qk]`` float latent key rows, q's dtype.
+      sm_scale: the main attention's softmax scale (Python number), as given to ``sparse_mla``.
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer token positions.
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
+        ids (both or neither).
+      indices: optional ``[..., S_q, K]`` integer key rows per query (the sparse form).
+      block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
+        picks one from ``S_kv`` (dense) or ``K`` (sparse) so that a block's temporaries fit
+        :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
+      implementation: a name of :data:`REGISTRY` (``"xla"``: pure JAX, any platform), a
+        sequence of names (the first that supports the call runs), or ``None`` (the platform's
+        preference order).
+
+    Returns:
+      A scalar: float32, or float64 when an input is float64 (under x64).
+
+    Raises:
+      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``block_q < 1``,
+        only one of the segment ids given, an unknown implementation or one that does not
+        support the call.
+      NotImplementedError: the requested implementations are not built in this install.
+      TypeError: ``sm_scale`` not a number; non-float tensors, ``q``/``kv`` dtypes that differ;
+        non-integer ``indices``, positions, segment ids or ``block_q``.
+    """
+    name = "indexer_kl_loss"
+    REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
+    index_q, index_k, index_weights, q, kv = (
+        jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv)
+    )
+    batch, s_q, h_i, s_kv, h, indices, block_q, (q_pos, kv_pos, q_seg, kv_seg) = check_kl_args(
+        name, index_q, index_k, index_weights, q, kv, sm_scale, indices, block_q, q_positions,
+        kv_positions, q_segment_ids, kv_segment_ids)
+    acc = acc_dtype(index_q, index_k, index_weights, q, kv)
+    d_qk = q.shape[-1]
+    impl = REGISTRY.choose(implementation, KLCall(
+        jnp.dtype(acc), h_i, index_q.shape[-1], h, d_qk, s_q, s_kv,
+        None if indices is None else indices.shape[-1], q_seg is not None))
+    q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
+    nb = 1
+    for n in batch:
+        nb *= n
+    args = flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
+    q3 = q.reshape((nb, s_q, h, d_qk))
+    kv3 = kv.reshape((nb, s_kv, d_qk))
+    idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
+    config = KLConfig(float(sm_scale), h, block_q, impl)
+    kl, count = kl_call(name, config, ROLES, *args, q3, kv3, idx3)
+    return mean_of_rows(kl, count, acc)

@@ -1,0 +1,56 @@
+"""The ``"xla"`` implementation of ``indexer_kl_loss``: pure JAX, any platform, the oracle.
+
+Queries are processed in blocks (``lax.map``) whose body is rematerialised (``jax.checkpoint``),
+so neither pass holds more than one block's ``[block_q, H, S_kv]`` (dense) or ``[block_q, H, K]``
+(sparse) temporaries. The backward is the VJP of the forward
+(:func:`jax_dsa.ops.indexer.kl_vjp.autodiff_backward`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer.common import (
+    acc_dtype,
+    block_support_and_logits,
+    blocks_of,
+    masked_log_softmax,
+)
+from jax_dsa.ops.indexer.config import KLConfig
+from jax_dsa.ops.indexer.kl_vjp import autodiff_backward
+from jax_dsa.ops.registry import Implementation, always
+from jax_dsa.sharding.partition import head_logsumexp
+
+
+def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config: KLConfig):
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows."""
+    acc = acc_dtype(iq, ik, iw, q, kv)
+    scale = config.sm_scale
+
+    def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
+        row_ok = jnp.ones(iq.shape[:1], jnp.bool_)  # local rows when split over a mesh
+
+        def block(xs):
+            iqb, iwb, pb, sb, qb, ib, okb = xs
+            support, score, logits = block_support_and_logits(
+                iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_seg, scale, acc
+            )
+            log_pi = masked_log_softmax(score, support)
+            log_p_h = masked_log_softmax(logits, support[:, None, :])
+            # log of the head mean, without leaving log space (no underflow to log 0).
+            # Heads split over a mesh: the head mean spans every head shard.
+            log_p = head_logsumexp(log_p_h, 1, layout) - jnp.log(jnp.asarray(config.h, acc))
+            p = jnp.where(support, jnp.exp(log_p), 0)
+            kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
+            has = jnp.any(support, axis=-1)
+            return jnp.sum(jnp.where(has, kl, 0)), jnp.sum(has.astype(jnp.int32))
+
+        xs = blocks_of(config.block_q, iq, iw, q_pos, q_seg, q, idx, row_ok)
+        kl, count = jax.lax.map(jax.checkpoint(block), xs)
+        return jnp.sum(kl), jnp.sum(count)
+
+    return jax.vmap(one)(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+
+
+IMPLEMENTATION = Implementation("xla", always, forward, autodiff_backward(forward))

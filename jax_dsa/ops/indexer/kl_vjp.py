@@ -1,0 +1,80 @@
+"""The custom VJP and sharding contract shared by the indexer KL losses.
+
+Operands on flattened batches, as :data:`jax_dsa.ops.indexer.topk.ROLES` (index tensors,
+positions, segment ids) followed by the main attention's ``q [NB, S_q, H, D_qk]`` (split by head
+under tensor parallelism), ``kv [NB, S_kv, D_qk]`` (gathered along the sequence), for DeepSeek V4
+the log denominator ``attention_lse [NB, S_q, H]``, and the optional slots ``[NB, S_q, K]``.
+An implementation computes, per shard, each batch element's KL sum and row count (partial sums
+over the local rows, reduced here), and in its backward the gradients for ``index_q``,
+``index_k`` (a partial sum over the local rows, reduce-scattered along the sequence) and
+``index_weights``. ``q``, ``kv`` and ``attention_lse`` take no gradient (the detached target).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer.common import acc_dtype
+from jax_dsa.ops.indexer.topk import ROLES as TOPK_ROLES
+from jax_dsa.sharding.partition import Result, partitioned_call, typed_like
+
+ROLES = TOPK_ROLES + ("bsh.", "bt.", "bs.")
+V4_ROLES = ROLES[:-1] + ("bsh", "bs.")  # + attention_lse before the slots
+RESULTS = (Result("b", "s"), Result("b", "s"))  # per batch element: KL sum, row count
+GRAD_RESULTS = (Result("bs.."), Result("bT."), Result("bs."))  # d index_q, index_k, weights
+
+
+def kl_call(name, config, roles, *args):
+    """``config.implementation``'s ``(kl_sum [NB], row_count [NB])``, split over the mesh in
+    context and differentiable in the first three operands (the index tensors)."""
+    return _kl(name, config, roles, *args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _kl(name, config, roles, *args):
+    impl = config.implementation
+    return partitioned_call(name, lambda layout, *a: impl.forward(layout, *a, config), args,
+                            roles, RESULTS)
+
+
+def _kl_fwd(name, config, roles, *args):
+    return _kl(name, config, roles, *args), args
+
+
+def _kl_bwd(name, config, roles, args, cotangents):
+    impl = config.implementation
+    grads = partitioned_call(
+        f"{name} backward", lambda layout, g, *a: impl.backward(layout, g, *a, config),
+        (cotangents[0],) + args, ("b",) + roles, GRAD_RESULTS)
+    # Reduced in the implementation's accumulation dtype, cast once to the primal's.
+    grads = tuple(typed_like(g.astype(x.dtype), x) for g, x in zip(grads, args))
+    return grads + (None,) * (len(args) - 3)
+
+
+_kl.defvjp(_kl_fwd, _kl_bwd)
+
+
+def autodiff_backward(forward):
+    """A backward for a pure-JAX ``forward(layout, index_q, index_k, index_weights, *rest,
+    config)``: its VJP in the index tensors, with ``index_k`` taken in the accumulation dtype so
+    that the sum of its gradient over slots and query blocks never rounds to 16 bits."""
+
+    def backward(layout, g, iq, ik, iw, *rest):  # rest: the other operands, then the config
+        acc = acc_dtype(iq, ik, iw)
+
+        def kl_sum(iq, ik, iw):
+            return forward(layout, iq, ik, iw, *rest)[0]
+
+        _, vjp = jax.vjp(kl_sum, iq, ik.astype(acc), iw)
+        return vjp(g.astype(acc))
+
+    return backward
+
+
+def mean_of_rows(kl, count, acc):
+    """The loss: the KL sum over every batch element divided by the rows with a support."""
+    kl, count = jnp.sum(kl), jnp.sum(count)
+    return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))

@@ -1,0 +1,116 @@
+"""``indexer_topk``: the lightning indexer's top-k key selection (the public op).
+
+Index score (DeepSeek-V3.2 paper, arXiv:2512.02556, eq. 1; deepseek-ai/DeepSeek-V3.2-Exp
+``inference/model.py``)::
+
+    I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])
+
+Sharding contract (:func:`jax_dsa.sharding.partition.partitioned_call`) on flattened batches:
+``q [NB, S_q, H_I, D_I]``, ``k [NB, S_kv, D_I]``, ``weights [NB, S_q, H_I]``, positions and
+segment ids ``[NB, S_q]`` / ``[NB, S_kv]``. Queries stay local, keys are gathered along the
+sequence; index heads are not split: every head shard computes the same top-k (Megatron-LM's
+"duplicated" indexer), so the selection is identical on all of them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer import topk_xla
+from jax_dsa.ops.indexer.common import (
+    acc_dtype,
+    check_indexer,
+    check_int,
+    check_positions,
+    default_block_q,
+    flatten_batch,
+)
+from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
+from jax_dsa.ops.registry import Registry
+from jax_dsa.sharding.partition import Result, partitioned_call
+
+REGISTRY = Registry("indexer_topk", (topk_xla.IMPLEMENTATION,), preference={"default": ("xla",)})
+
+ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")
+RESULTS = (Result("bs."),)  # [NB, S_q, topk] global key indices
+
+
+def indexer_topk(
+    q,
+    k,
+    weights,
+    *,
+    topk,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_q=None,
+    implementation=None,
+):
+    """The ``topk`` visible keys of each query by lightning-indexer score.
+
+    ``I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32 (float64 for float64
+    inputs), over the keys visible to ``t`` (see :func:`~jax_dsa.ops.indexer.common.visible_mask`). Keys come out by
+    descending score; equal scores (common: ReLU makes plateaus of exact zeros) are ordered by
+    ascending key index, so the result is deterministic. A row with fewer than ``topk`` visible
+    keys is padded with ``-1`` at the end; invisible keys are never chosen, whatever the scores.
+    The result is ready for :func:`jax_dsa.sparse_mla` (``-1`` marks an invalid slot) and carries
+    no gradient.
+
+    Source: DeepSeek-V3.2 paper eq. (1) and deepseek-ai/DeepSeek-V3.2-Exp ``inference/model.py``
+    (``Indexer``): scores of masked keys set to ``-inf`` before top-k.
+
+    Args:
+      q: ``[..., S_q, index_n_heads, index_head_dim]`` float indexer queries.
+      k: ``[..., S_kv, index_head_dim]`` float indexer keys (one per token, shared by the heads).
+      weights: ``[..., S_q, index_n_heads]`` float per-query head weights (scale folded in).
+      topk: number of keys per query (Python int >= 1); may exceed ``S_kv``.
+      q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer token positions.
+      q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
+        ids (both or neither).
+      block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
+        picks the largest power of two <= 128 whose ``[block_q, index_n_heads, S_kv]`` scores
+        fit :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
+      implementation: a name of :data:`REGISTRY` (``"xla"``: pure JAX, any platform), a
+        sequence of names (the first that supports the call runs), or ``None`` (the platform's
+        preference order).
+
+    Returns:
+      ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded.
+
+    Raises:
+      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``topk < 1``,
+        ``block_q < 1``, only one of the segment ids given, an unknown implementation or one
+        that does not support the call.
+      NotImplementedError: the requested implementations are not built in this install.
+      TypeError: non-integer ``topk``/``block_q``/positions/segment ids, non-float ``q``, ``k``
+        or ``weights``.
+    """
+    name = "indexer_topk"
+    REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
+    q, k, weights = (jnp.asarray(x) for x in (q, k, weights))
+    batch, s_q, h_i, s_kv = check_indexer(name, q, k, weights)
+    q_pos, kv_pos, q_seg, kv_seg = check_positions(
+        name, q_positions, kv_positions, q_segment_ids, kv_segment_ids, batch + (s_q,),
+        batch + (s_kv,),
+    )
+    topk = check_int(name, "topk", topk)
+    if block_q is None:
+        block_q = default_block_q(s_q, h_i * s_kv)
+    else:
+        block_q = check_int(name, "block_q", block_q)
+    impl = REGISTRY.choose(implementation, TopkCall(
+        jnp.dtype(acc_dtype(q, k, weights)), h_i, q.shape[-1], s_q, s_kv, topk,
+        q_seg is not None))
+
+    q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
+    args = flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+    k_eff = min(topk, s_kv)
+    config = TopkConfig(k_eff, block_q, impl)
+    out = partitioned_call("indexer_topk", lambda layout, *a: (impl.forward(*a, config),), args,
+                           ROLES, RESULTS)[0]
+    if topk > k_eff:
+        out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
+    return out.reshape(batch + (s_q, topk))

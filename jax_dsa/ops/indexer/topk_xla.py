@@ -1,0 +1,40 @@
+"""The ``"xla"`` implementation of ``indexer_topk``: pure JAX, any platform, the oracle.
+
+Queries are processed in blocks (``lax.map``) so that the largest temporary is one block's
+``[block_q, index_n_heads, S_kv]`` scores: memory grows linearly in the sequence length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.indexer.common import acc_dtype, blocks_of, dense_scores, unblock, visibility
+from jax_dsa.ops.indexer.config import TopkConfig
+from jax_dsa.ops.registry import Implementation, always
+
+
+def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config: TopkConfig):
+    """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys."""
+    acc = acc_dtype(q, k, weights)
+
+    def one(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
+        def block(xs):
+            qb, wb, pb, sb = xs
+            vis = visibility(pb, kv_pos, sb, kv_seg)
+            score = dense_scores(qb, k, wb, acc)
+            # top_k orders -0.0 below +0.0: make every zero +0.0 so that zeros tie. Visible
+            # scores stay above -inf so that an invisible key never outranks a visible one.
+            score = jnp.where(score == 0, jnp.zeros((), acc), score)
+            score = jnp.where(vis, jnp.maximum(score, jnp.finfo(acc).min), -jnp.inf)
+            vals, idx = jax.lax.top_k(score, config.topk)
+            return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
+
+        out = jax.lax.map(block, blocks_of(config.block_q, q, w, q_pos, q_seg))
+        return unblock(out, q.shape[0])  # local rows when split over a mesh
+
+    return jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+
+
+IMPLEMENTATION = Implementation("xla", always, forward)

@@ -1,0 +1,163 @@
+"""Implementation registries: each public op chooses among named implementations.
+
+The pattern of openxla/tokamax (``implementation=`` with a fallback chain): an op owns a
+:class:`Registry` of :class:`Implementation` objects. Each implementation says whether it can
+take a call (:attr:`Implementation.supported` returns the reason it cannot, or ``None``), and the
+op's ``implementation=`` argument picks one:
+
+* a name: that implementation, or an error with its reason;
+* a sequence of names: the first that supports the call;
+* ``None``: the op's preference order for the platform (``jax.default_backend()``).
+
+Adding an implementation to an op is one module (its :class:`Implementation`) and one entry in
+the op's registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jax_dsa import _native
+
+
+class Unavailable(str):
+    """A reason meaning "this install cannot run it" (its native module is not built or did not
+    load), as opposed to "it does not support this call". When every candidate is unavailable the
+    op raises ``NotImplementedError`` instead of ``ValueError``."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Implementation:
+    """One implementation of an op.
+
+    Attributes:
+      name: the name users pass as ``implementation=``.
+      supported: ``supported(call) -> str | None``: why this implementation cannot take ``call``
+        (the op's description of one call's static properties), or ``None``. Returns an
+        :class:`Unavailable` reason when it is not built.
+      forward: the op's forward kernel; its signature is the op's own.
+      backward: the op's backward kernel, or ``None`` where the op differentiates ``forward``.
+    """
+
+    name: str
+    supported: Callable[[Any], str | None]
+    forward: Callable
+    backward: Callable | None = None
+
+    def __repr__(self):
+        return f"Implementation({self.name!r})"
+
+
+def always(call) -> None:
+    """A ``supported`` check for implementations that take every call (pure JAX)."""
+    del call
+    return None
+
+
+class Registry:
+    """The implementations of one op and its default preference per platform.
+
+    Args:
+      op: the op's public name (error messages).
+      implementations: its :class:`Implementation` objects.
+      preference: platform (``"cpu"``, ``"gpu"``, ...; ``"default"`` for the others) -> names in
+        the order ``implementation=None`` tries them.
+    """
+
+    def __init__(self, op: str, implementations: Sequence[Implementation],
+                 preference: Mapping[str, Sequence[str]]):
+        self.op = op
+        self._impls = {impl.name: impl for impl in implementations}
+        if len(self._impls) != len(implementations):
+            raise ValueError(f"{op}: two implementations share a name")
+        self._preference = {k: tuple(v) for k, v in preference.items()}
+        for names in self._preference.values():
+            for name in names:
+                if name not in self._impls:
+                    raise ValueError(f"{op}: preference names unknown implementation {name!r}")
+        if "default" not in self._preference:
+            raise ValueError(f"{op}: the preference needs a 'default' entry")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every registered implementation name, in registration order."""
+        return tuple(self._impls)
+
+    def __getitem__(self, name: str) -> Implementation:
+        return self._impls[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._impls
+
+    def preference(self, platform: str | None = None) -> tuple[str, ...]:
+        """The names ``implementation=None`` tries on ``platform`` (default: JAX's backend)."""
+        platform = jax.default_backend() if platform is None else platform
+        return self._preference.get(platform, self._preference["default"])
+
+    def candidates(self, implementation) -> tuple[str, ...]:
+        """The names ``implementation=`` asks for, checked; raises ValueError for unknown ones."""
+        if implementation is None:
+            return self.preference()
+        if isinstance(implementation, str):
+            names = (implementation,)
+        elif isinstance(implementation, Sequence) and implementation and all(
+                isinstance(n, str) for n in implementation):
+            names = tuple(implementation)
+        else:
+            names = None
+        if names is None or any(n not in self._impls for n in names):
+            raise ValueError(
+                f"{self.op}: implementation must be one of {self.names}, a non-empty sequence of "
+                f"them, or None; got {implementation!r}"
+            )
+        return names
+
+    def restrict(self, implementation):
+        """The part of a layer's ``implementation`` that this op has: the names it registers (a
+        name, a tuple, or ``None`` when it has none of them, i.e. its own default order)."""
+        if implementation is None:
+            return None
+        names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        known = tuple(n for n in names if n in self._impls)
+        if not known:
+            return None
+        return known[0] if len(known) == 1 else known
+
+    def choose(self, implementation, call) -> Implementation:
+        """The implementation that runs ``call``.
+
+        Raises:
+          ValueError: an unknown name, or no candidate supports the call (each reason listed).
+          NotImplementedError: every candidate is unavailable in this install (not built).
+        """
+        names = self.candidates(implementation)
+        reasons = []
+        for name in names:
+            why = self._impls[name].supported(call)
+            if why is None:
+                return self._impls[name]
+            reasons.append((name, why))
+        if len(reasons) == 1:
+            message = f"{self.op}: {reasons[0][1]}"
+        else:
+            listed = "; ".join(f"{name!r}: {why}" for name, why in reasons)
+            message = f"{self.op}: no implementation of {names} supports this call ({listed})"
+        if all(isinstance(why, Unavailable) for _, why in reasons):
+            raise NotImplementedError(message)
+        raise ValueError(message)
+
+
+def native_unavailable(name: str, module: str) -> Unavailable | None:
+    """Why implementation ``name`` cannot run in this install because its native ``module``
+    (``"_cpu"``, ``"_cuda"``) is not loaded, or ``None`` when it is."""
+    if _native.loaded(module):
+        return None
+    why = _native.LOAD_ERRORS.get(module, "not built")
+    return Unavailable(
+        f"implementation={name!r} is not available in this jax_dsa ({why}); available: "
+        f"{('xla',) + _native.available()}"
+    )

@@ -1,0 +1,216 @@
+"""The ``"cuda"`` implementation of ``sparse_mla``: jax_dsa's own SM90 forward (FlashMLA v2's
+sparse-prefill contract) and the cuDNN frontend's SM90 DSA backward, both compiled ahead of time
+into the ``_cuda`` FFI module (``ffi/cuda``).
+
+Shapes follow :func:`jax_dsa.sparse_mla` after it folds the batch dims into one:
+``q [B, S_q, H, D_qk]``, ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` int32,
+``attn_sink [H]`` float32, ``topk_length [B, S_q]`` int32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa import _native, kernel_spec
+from jax_dsa.ops.registry import Implementation, native_unavailable
+from jax_dsa.ops.sparse_mla.config import Call, Config
+
+
+CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
+# What the kernels are compiled for (one source, read by the build too). Indices are padded with
+# -1 to the smallest slot bucket >= K; topk_length makes the kernel stop at each row's valid count.
+SLOT_BUCKETS = kernel_spec.DSA_BWD_SLOT_BUCKETS
+KERNEL_HEADS = kernel_spec.SPARSE_MLA_HEADS
+KERNEL_D_QK = kernel_spec.SPARSE_MLA_D_QK
+KERNEL_D_V = kernel_spec.SPARSE_MLA_D_V
+
+
+def slot_bucket(k: int) -> int:
+    """The compiled slot width used for ``K`` slots per query."""
+    for b in SLOT_BUCKETS:
+        if k <= b:
+            return b
+    raise ValueError(
+        f"sparse_mla: implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots per query "
+        f"(K), got {k}")
+
+
+def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None:
+    """Why the cuda backward cannot take this call, or None."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"implementation='cuda' needs bfloat16 q and kv, got {jnp.dtype(dtype)}"
+    if d_qk not in KERNEL_D_QK or d_v != KERNEL_D_V:
+        return (f"implementation='cuda' supports D_qk in {KERNEL_D_QK} with d_v={KERNEL_D_V}, got "
+                f"D_qk={d_qk}, d_v={d_v}")
+    if h > KERNEL_HEADS[-1]:
+        return f"implementation='cuda' supports at most {KERNEL_HEADS[-1]} heads, got H={h}"
+    if k > SLOT_BUCKETS[-1]:
+        return f"implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots (K), got {k}"
+    return None
+
+
+CUDA_FWD_TARGET = "jax_dsa_sparse_mla_fwd_cuda"
+
+
+def _cuda_dims(q, kv, indices, d_v):
+    """``(B, S_q, H, D_qk, S_kv, K, padded H)`` of a call the CUDA kernels support (else
+    ValueError naming the rule); H is padded to 64 or 128."""
+    nb, s_q, h, d_qk = q.shape
+    k = indices.shape[-1]
+    why = cuda_support_error(q.dtype, h, d_qk, d_v, k)
+    if why:
+        raise ValueError("sparse_mla: " + why)
+    hp = next(n for n in KERNEL_HEADS if h <= n)
+    return nb, s_q, h, d_qk, kv.shape[1], k, hp
+
+
+def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
+    """GPU forward through jax_dsa's own AOT SM90 kernel (FlashMLA v2 contract, ffi/cuda/
+    sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16, ``lse [B, S_q, H]`` float32
+    (natural log, sink-free, +inf for rows without a valid slot) and ``max_logits [B, S_q, H]``
+    float32 (-inf for such rows).
+
+    Glue: batch folded into tokens (valid slots offset by ``b * S_kv``, invalid ones set to -1 so
+    the offset cannot make them valid); slots padded with -1 to a multiple of 4 (the kernel
+    prefetches each query's row of slot ids in 16-byte blocks); heads padded to 64 or
+    128 (zero q, sink -inf), then sliced. Slots past ``topk_length`` are skipped by the kernel.
+    """
+    nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
+    bf = jnp.bfloat16
+    valid = (indices >= 0) & (indices < s_kv)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    idx = jnp.where(valid, indices + offset, -1).astype(jnp.int32)
+    m = kernel_spec.SPARSE_MLA_FWD_K_MULTIPLE
+    k4 = -(-k // m) * m
+    if k4 > k:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k4 - k)), constant_values=-1)
+    q = q.astype(bf)
+    sink = attn_sink.astype(jnp.float32)
+    if hp > h:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+        sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
+    t = nb * s_q
+    call = jax.ffi.ffi_call(
+        CUDA_FWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((t, hp, d_v), bf),
+            jax.ShapeDtypeStruct((t, hp), jnp.float32),
+            jax.ShapeDtypeStruct((t, hp), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    out, lse, mx = call(q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk),
+                        idx.reshape(t, k4), topk_length.astype(jnp.int32).reshape(t), sink,
+                        sm_scale=np.float32(sm_scale))
+    out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
+    lse = lse.reshape(nb, s_q, hp)[:, :, :h]
+    return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
+
+
+def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:
+    """The SM90 backward's scratch (frontend 1.32 ``flash_attn_bwd_sm90_workspace_size``)."""
+    r = lambda x, m: -(-x // m) * m
+    return 2 * r(r(s_q, 64) * h * 4, 128) + r(r(s_kv, 64) * r(d_qk, 32) * 4, 128)
+
+
+def cuda_index_glue(indices, topk_length, s_kv):
+    """``[B, S_q, K]`` indices -> (global rows with the valid slots first and -1 after,
+    per-row count >= 1, rows that had no valid slot). An empty row gets one slot, row 0 of its
+    batch element, which the caller masks with lse = +inf and dout = 0."""
+    nb, _, k = indices.shape
+    pos = jnp.arange(k, dtype=jnp.int32)
+    valid = (indices >= 0) & (indices < s_kv) & (pos < topk_length[..., None])
+    order = jnp.argsort(jnp.logical_not(valid), axis=-1, stable=True)
+    idx = jnp.take_along_axis(indices, order, axis=-1)
+    valid_sorted = jnp.take_along_axis(valid, order, axis=-1)
+    count = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    idx = jnp.where(valid_sorted, idx + offset, -1)
+    empty = count == 0
+    idx = idx.at[..., 0].set(jnp.where(empty, offset[..., 0], idx[..., 0]))
+    return idx, jnp.maximum(count, 1), empty
+
+
+def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v):
+    """GPU backward through the AOT cuDNN kernels: ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
+
+    Glue around the kernel's contract: batch folded into tokens (indices offset by
+    ``b * S_kv``); slots out of range or past ``topk_length`` set to -1 and the valid ones moved
+    to the front (stable), so ``topk_length`` = valid count; slots padded with -1 to a bucket;
+    heads padded to 64 or 128 (zero q/out/dout, lse +inf, sink -inf); rows without a valid slot
+    get one slot (row 0 of their batch element) with dout 0 and lse +inf, because the kernel needs
+    at least one (as NVIDIA/Megatron-LM's DSA does); then everything un-padded.
+    """
+    nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
+    kb = slot_bucket(k)
+
+    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv)
+    if kb > k:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, kb - k)), constant_values=-1)
+
+    bf = jnp.bfloat16
+    dout = jnp.where(empty[..., None, None], 0, dout.astype(bf))
+    lse = jnp.where(empty[..., None], jnp.inf, lse.astype(jnp.float32))
+    q, out = q.astype(bf), out.astype(bf)
+    sink = attn_sink.astype(jnp.float32)
+    if hp > h:
+        ph = ((0, 0), (0, 0), (0, hp - h), (0, 0))
+        q, out, dout = jnp.pad(q, ph), jnp.pad(out, ph), jnp.pad(dout, ph)
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, hp - h)), constant_values=jnp.inf)
+        sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
+
+    t = nb * s_q
+    ws = cuda_workspace_bytes(t, nb * s_kv, hp, d_qk)
+    call = jax.ffi.ffi_call(
+        CUDA_BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((t, hp, d_qk), bf),
+            jax.ShapeDtypeStruct((nb * s_kv, d_qk), bf),
+            jax.ShapeDtypeStruct((hp,), jnp.float32),
+            jax.ShapeDtypeStruct((ws,), jnp.uint8),
+        ),
+        vmap_method="sequential",
+    )
+    dq, dkv, dsink, _ = call(
+        q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
+        dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
+        length.reshape(t), sm_scale=np.float32(sm_scale))
+    dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
+    return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
+
+
+def device_error() -> str | None:
+    """Why the default GPU cannot run these kernels (None if it can, or if there is no GPU:
+    e.g. lowering for CUDA on a host)."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or not str(cc).startswith("9."):
+        return (f"implementation='cuda' runs on SM90 GPUs (H100/H200); this GPU has compute "
+                f"capability {cc} (SM100/SM103 kernels are not built; SM120 is unsupported)")
+    return None
+
+
+def supported(call: Call) -> str | None:
+    """Why ``"cuda"`` cannot take ``call``: the head width first (a property of the compiled
+    kernels, told even where they are not built), then the build, then the other rules."""
+    if call.d_qk not in KERNEL_D_QK:
+        return f"implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {call.d_qk}"
+    return (native_unavailable("cuda", "_cuda")
+            or cuda_support_error(call.dtype, call.h, call.d_qk, call.d_v, call.topk)
+            or device_error())
+
+
+def _forward(q, kv, indices, sink, lengths, config: Config):
+    return cuda_forward(q, kv, indices, sink, lengths, sm_scale=config.sm_scale, d_v=config.d_v)
+
+
+def _backward(q, kv, indices, sink, lengths, out, lse, dout, config: Config):
+    dq, dkv, dsink = cuda_backward(q, kv, indices, sink, lengths, out, lse, dout,
+                                   sm_scale=config.sm_scale, d_v=config.d_v)
+    return dq.astype(q.dtype), dkv.astype(kv.dtype), dsink.astype(sink.dtype)
+
+
+IMPLEMENTATION = Implementation("cuda", supported, _forward, _backward)
