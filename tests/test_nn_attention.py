@@ -303,3 +303,41 @@ def test_argument_errors():
         layer(jnp.ones((2, 5, 7)))
     with pytest.raises(ValueError, match="indices"):
         layer(x, indices=jnp.zeros((2, 4, 3), jnp.int32))
+
+
+def _indexer_cuda_built():
+    from jax_dsa import _native
+    return _native.loaded("_cuda") and _native.loaded("_cuda_indexer")
+
+
+@pytest.mark.skipif(not _indexer_cuda_built(), reason="needs the _cuda and _cuda_indexer modules")
+def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
+    """implementation=None on a GPU: the CUDA lowering of a sparse-mode training step calls the
+    attention kernels and the indexer's top-k and KL kernels, and XLA gathers no float
+    ``[S, K, .]`` rows (checked on the host by pretending the default backend is a GPU)."""
+    import types
+
+    from jax_dsa.ops import registry
+    from jax_dsa.ops.indexer import kl_loss_cuda, topk_cuda
+    from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
+
+    monkeypatch.setattr(registry, "jax", types.SimpleNamespace(default_backend=lambda: "gpu"))
+    k = 96  # distinctive: no other dim of the layer has this size
+    c = small_config("glm5", hidden_size=64, num_attention_heads=4, kv_lora_rank=512,
+                     qk_rope_head_dim=64, index_n_heads=8, index_head_dim=128, index_topk=k)
+    layer = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    x = jax.ShapeDtypeStruct((2, 128, c.hidden_size), jnp.bfloat16)
+
+    def loss(p, x):
+        y, aux = nnx.merge(graphdef, p, rest)(x)
+        return jnp.mean(y.astype(jnp.float32) ** 2) + aux["indexer_loss"]
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for target in (sparse_mla_cuda.CUDA_FWD_TARGET, sparse_mla_cuda.CUDA_BWD_TARGET,
+                   topk_cuda.TARGET, kl_loss_cuda.FWD_TARGET, kl_loss_cuda.BWD_TARGET):
+        assert f"@{target}(" in text, target
+    for line in text.splitlines():
+        if "stablehlo.gather" in line and f"x{k}x" in line:
+            assert "bf16" not in line and "f32" not in line, line

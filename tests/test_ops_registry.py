@@ -313,3 +313,18 @@ def test_language_model_passes_implementation_through():
             text = str(jax.make_jaxpr(lambda state, ids: nnx.merge(graphdef, state)(
                 ids, attention_mode=mode, implementation=impl))(state, ids))
             assert text.count(CPU_TARGET) == c.num_hidden_layers, (impl, mode)
+
+
+def test_a_sequence_skips_implementations_for_other_platforms(monkeypatch):
+    """("cuda", "xla") on a host runs "xla" even for a call "cuda" supports; "cuda" alone is
+    still chosen (to lower for a GPU on a host)."""
+    gpu_only = Implementation("cuda", always, lambda: "cuda", platforms=("gpu",))
+    anywhere = Implementation("xla", always, lambda: "xla")
+    reg = Registry("op", (anywhere, gpu_only), preference={"default": ("xla",)})
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert reg.choose(("cuda", "xla"), None) is anywhere
+    assert reg.choose("cuda", None) is gpu_only
+    with pytest.raises(ValueError, match="default backend is 'cpu'"):
+        reg.choose(("cuda",), None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert reg.choose(("cuda", "xla"), None) is gpu_only

@@ -5,8 +5,9 @@ The pattern of openxla/tokamax (``implementation=`` with a fallback chain): an o
 take a call (:attr:`Implementation.supported` returns the reason it cannot, or ``None``), and the
 op's ``implementation=`` argument picks one:
 
-* a name: that implementation, or an error with its reason;
-* a sequence of names: the first that supports the call;
+* a name: that implementation, or an error with its reason (also for another platform than
+  JAX's default backend, e.g. to lower for a GPU on a host);
+* a sequence of names: the first that supports the call and runs on the default backend;
 * ``None``: the op's preference order for the platform (``jax.default_backend()``).
 
 Adding an implementation to an op is one module (its :class:`Implementation`) and one entry in
@@ -41,12 +42,17 @@ class Implementation:
         :class:`Unavailable` reason when it is not built.
       forward: the op's forward kernel; its signature is the op's own.
       backward: the op's backward kernel, or ``None`` where the op differentiates ``forward``.
+      platforms: the JAX backends it runs on (``"cpu"``, ``"gpu"``); empty: every one. A
+        sequence of names (or ``None``) skips an implementation whose platforms do not include
+        the default backend; a single name does not, so that a program can be lowered for another
+        platform.
     """
 
     name: str
     supported: Callable[[Any], str | None]
     forward: Callable
     backward: Callable | None = None
+    platforms: tuple[str, ...] = ()
 
     def __repr__(self):
         return f"Implementation({self.name!r})"
@@ -135,11 +141,17 @@ class Registry:
           NotImplementedError: every candidate is unavailable in this install (not built).
         """
         names = self.candidates(implementation)
+        platform = jax.default_backend()
+        chained = not isinstance(implementation, str)
         reasons = []
         for name in names:
-            why = self._impls[name].supported(call)
+            impl = self._impls[name]
+            why = impl.supported(call)
+            if why is None and chained and impl.platforms and platform not in impl.platforms:
+                why = (f"implementation={name!r} runs on {impl.platforms}, the default backend is "
+                       f"{platform!r}")
             if why is None:
-                return self._impls[name]
+                return impl
             reasons.append((name, why))
         if len(reasons) == 1:
             message = f"{self.op}: {reasons[0][1]}"

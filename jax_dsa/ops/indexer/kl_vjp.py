@@ -17,7 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer.common import acc_dtype
+from jax_dsa.ops.indexer.common import acc_dtype, flatten_batch
+from jax_dsa.ops.indexer.config import KLCall
 from jax_dsa.ops.indexer.topk import ROLES as TOPK_ROLES
 from jax_dsa.sharding.partition import Result, partitioned_call, typed_like
 
@@ -78,3 +79,28 @@ def mean_of_rows(kl, count, acc):
     """The loss: the KL sum over every batch element divided by the rows with a support."""
     kl, count = jnp.sum(kl), jnp.sum(count)
     return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
+
+
+def describe(acc, index_q, q, s_kv, indices, segments: bool) -> KLCall:
+    """The :class:`KLCall` that implementations' ``supported`` checks see."""
+    s_q, h_i, d_i = index_q.shape[-3:]
+    h, d_qk = q.shape[-2:]
+    topk = None if indices is None else indices.shape[-1]
+    return KLCall(jnp.dtype(acc), h_i, d_i, h, d_qk, s_q, s_kv, topk, segments)
+
+
+def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per_head, indices):
+    """The operands of :func:`kl_call` on one flattened batch dim, in :data:`ROLES` order, with
+    ``per_head`` (``[..., S_q, H]`` arrays, e.g. V4's ``attention_lse``) before the slots; the
+    main attention's tensors are detached."""
+    nb = 1
+    for n in batch:
+        nb *= n
+    flat = flatten_batch(batch, index_q, index_k, index_weights, *visibility)
+    q = jax.lax.stop_gradient(q)
+    s_q, h, d_qk = q.shape[-3:]
+    main = (q.reshape((nb, s_q, h, d_qk)),
+            jax.lax.stop_gradient(kv).reshape((nb, kv.shape[-2], d_qk)))
+    per_head = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, h)) for x in per_head)
+    idx = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
+    return flat + main + per_head + (idx,)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer import topk_xla
+from jax_dsa.ops.indexer import topk_cuda, topk_xla
 from jax_dsa.ops.indexer.common import (
     acc_dtype,
     check_indexer,
@@ -30,7 +30,8 @@ from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
 from jax_dsa.ops.registry import Registry
 from jax_dsa.sharding.partition import Result, partitioned_call
 
-REGISTRY = Registry("indexer_topk", (topk_xla.IMPLEMENTATION,), preference={"default": ("xla",)})
+REGISTRY = Registry("indexer_topk", (topk_xla.IMPLEMENTATION, topk_cuda.IMPLEMENTATION),
+                    preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
 
 ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")
 RESULTS = (Result("bs."),)  # [NB, S_q, topk] global key indices
@@ -73,9 +74,10 @@ def indexer_topk(
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks the largest power of two <= 128 whose ``[block_q, index_n_heads, S_kv]`` scores
         fit :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
-      implementation: a name of :data:`REGISTRY` (``"xla"``: pure JAX, any platform), a
-        sequence of names (the first that supports the call runs), or ``None`` (the platform's
-        preference order).
+      implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
+        the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
+        pure JAX, any platform. ``"cuda"``: SM90 kernels (:mod:`~jax_dsa.ops.indexer.topk_cuda`;
+        q and k rounded to bfloat16, index_head_dim 128, index_n_heads <= 64, topk <= 2048).
 
     Returns:
       ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded.

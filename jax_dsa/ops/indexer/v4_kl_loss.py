@@ -21,17 +21,18 @@ log space, so a compressed mass that underflows float32 does not zero the target
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer import v4_kl_loss_xla
-from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args, flatten_batch
-from jax_dsa.ops.indexer.config import KLCall, KLConfig
-from jax_dsa.ops.indexer.kl_vjp import V4_ROLES, kl_call, mean_of_rows
+from jax_dsa.ops.indexer import v4_kl_loss_cuda, v4_kl_loss_xla
+from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args
+from jax_dsa.ops.indexer.config import KLConfig
+from jax_dsa.ops.indexer.kl_vjp import V4_ROLES, describe, flat_operands, kl_call, mean_of_rows
 from jax_dsa.ops.registry import Registry
 
-REGISTRY = Registry("v4_indexer_kl_loss", (v4_kl_loss_xla.IMPLEMENTATION,),
-                    preference={"default": ("xla",)})
+# On a GPU the sparse form runs on "cuda"; the dense form (warm-up) on "xla".
+REGISTRY = Registry("v4_indexer_kl_loss",
+                    (v4_kl_loss_xla.IMPLEMENTATION, v4_kl_loss_cuda.IMPLEMENTATION),
+                    preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
 
 
 def v4_indexer_kl_loss(
@@ -83,9 +84,12 @@ def v4_indexer_kl_loss(
       indices: optional ``[..., S_q, K]`` integer compressed-row ids (the sparse form).
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks one so that a block's temporaries stay near 64 MiB.
-      implementation: a name of :data:`REGISTRY` (``"xla"``: pure JAX, any platform), a
-        sequence of names (the first that supports the call runs), or ``None`` (the platform's
-        preference order).
+      implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
+        the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
+        pure JAX, any platform. ``"cuda"``: SM90 kernels for the sparse form
+        (:mod:`~jax_dsa.ops.indexer.v4_kl_loss_cuda`; ``q``, ``kv`` and the index tensors
+        rounded to bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128 local heads,
+        index_n_heads <= 64, K <= 2048).
 
     Returns:
       A scalar: float32, or float64 when an input is float64 (under x64).
@@ -114,20 +118,10 @@ def v4_indexer_kl_loss(
     if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
         raise TypeError(f"{name}: attention_lse must be a float array, got {attention_lse.dtype}")
     acc = acc_dtype(index_q, index_k, index_weights, q, kv)
-    d_qk = q.shape[-1]
-    impl = REGISTRY.choose(implementation, KLCall(
-        jnp.dtype(acc), h_i, index_q.shape[-1], h, d_qk, s_q, s_kv,
-        None if indices is None else indices.shape[-1], q_seg is not None))
-    q, kv = jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv)
-    lse = jax.lax.stop_gradient(attention_lse).astype(acc)
-    nb = 1
-    for n in batch:
-        nb *= n
-    args = flatten_batch(batch, index_q, index_k, index_weights, q_pos, kv_pos, q_seg, kv_seg)
-    q3 = q.reshape((nb, s_q, h, d_qk))
-    kv3 = kv.reshape((nb, s_kv, d_qk))
-    lse3 = lse.reshape((nb, s_q, h))
-    idx3 = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
-    config = KLConfig(float(sm_scale), h, block_q, impl)
-    kl, count = kl_call(name, config, V4_ROLES, *args, q3, kv3, lse3, idx3)
+    impl = REGISTRY.choose(implementation, describe(acc, index_q, q, s_kv, indices,
+                                                    q_seg is not None))
+    operands = flat_operands(batch, index_q, index_k, index_weights,
+                             (q_pos, kv_pos, q_seg, kv_seg), q, kv, (attention_lse.astype(acc),),
+                             indices)
+    kl, count = kl_call(name, KLConfig(float(sm_scale), h, block_q, impl), V4_ROLES, *operands)
     return mean_of_rows(kl, count, acc)

@@ -77,4 +77,4 @@ def _backward(q, kv, indices, sink, lengths, out, lse, dout, config: Config):
     return dq, dkv, dsink.astype(sink.dtype)
 
 
-IMPLEMENTATION = Implementation("cpu", supported, _forward, _backward)
+IMPLEMENTATION = Implementation("cpu", supported, _forward, _backward, platforms=("cpu",))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa import _native, kernel_spec
+from jax_dsa import kernel_spec
 from jax_dsa.ops.registry import Implementation, native_unavailable
 from jax_dsa.ops.sparse_mla.config import Call, Config
 
@@ -213,4 +213,4 @@ def _backward(q, kv, indices, sink, lengths, out, lse, dout, config: Config):
     return dq.astype(q.dtype), dkv.astype(kv.dtype), dsink.astype(sink.dtype)
 
 
-IMPLEMENTATION = Implementation("cuda", supported, _forward, _backward)
+IMPLEMENTATION = Implementation("cuda", supported, _forward, _backward, platforms=("gpu",))

@@ -1,0 +1,145 @@
+"""One GLM-5 DSA attention layer's training step on a GPU, and its DSA ops alone, same process.
+
+    python benchmarks/dsa_layer.py --sizes 4096,8192,16384 [--layer-only 32768] \
+        [--implementation cuda] [--out benchmarks/results/dsa_layer_h200.json]
+
+For each sequence length (one batch row, bfloat16, random weights, GLM-5 dimensions from
+``get_config("glm5")``): the jitted forward+backward of ``DSAAttention`` in sparse mode with the
+indexer KL loss, the same without it, and each op alone with the layer's shapes: ``sparse_mla``
+forward+backward (K 2048), ``indexer_topk``, and the sparse ``indexer_kl_loss`` forward+backward.
+Times are wall time around ``block_until_ready``, the median of ``--repeats`` runs after a first
+call whose time (compile + run) is reported too. ``--implementation`` goes to every op (``None``:
+each op's default order for the platform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jax_dsa import indexer_kl_loss, indexer_topk, sparse_mla  # noqa: E402
+from jax_dsa.configs import get_config  # noqa: E402
+from jax_dsa.nn import DSAAttention  # noqa: E402
+
+
+def timed(fn, *args, repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - t0)
+    return {"first_call_s": round(first, 3), "median_ms": round(1e3 * statistics.median(runs), 3),
+            "min_ms": round(1e3 * min(runs), 3)}
+
+
+def layer_step(c, s, implementation, kl, repeats):
+    attn = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (1, s, c.hidden_size), jnp.bfloat16)
+
+    @jax.jit
+    def step(p, x):
+        def loss(p, x):
+            y, aux = nnx.merge(graphdef, p, rest)(x, implementation=implementation,
+                                                  compute_indexer_loss=kl)
+            total = jnp.mean(y.astype(jnp.float32) ** 2)
+            return total + (aux["indexer_loss"] if kl else 0.0)
+        return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    return timed(step, params, x, repeats=repeats)
+
+
+def op_inputs(c, s):
+    ks = jax.random.split(jax.random.key(2), 6)
+    h, d_qk = c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim
+    q = jax.random.normal(ks[0], (s, h, d_qk), jnp.bfloat16)
+    kv = jax.random.normal(ks[1], (s, d_qk), jnp.bfloat16)
+    iq = jax.random.normal(ks[2], (s, c.index_n_heads, c.index_head_dim), jnp.bfloat16)
+    ik = jax.random.normal(ks[3], (s, c.index_head_dim), jnp.bfloat16)
+    w = jax.random.normal(ks[4], (s, c.index_n_heads), jnp.float32) * c.index_n_heads ** -0.5
+    return q, kv, iq, ik, w, jnp.arange(s, dtype=jnp.int32)
+
+
+def ops(c, s, implementation, repeats):
+    q, kv, iq, ik, w, pos = op_inputs(c, s)
+    k = c.index_topk
+    topk = jax.jit(lambda iq, ik, w: indexer_topk(
+        iq, ik, w, topk=k, q_positions=pos, kv_positions=pos, implementation=implementation))
+    idx = topk(iq, ik, w)
+    out = {"indexer_topk": timed(topk, iq, ik, w, repeats=repeats)}
+
+    @jax.jit
+    def attn(q, kv):
+        def f(q, kv):
+            o, _ = sparse_mla(q, kv, idx, sm_scale=c.softmax_scale, d_v=c.kv_lora_rank,
+                              implementation=implementation)
+            return jnp.mean(o.astype(jnp.float32) ** 2)
+        return jax.grad(f, argnums=(0, 1))(q, kv)
+
+    out["sparse_mla_fwd_bwd"] = timed(attn, q, kv, repeats=repeats)
+
+    @jax.jit
+    def kl(iq, ik, w):
+        return jax.value_and_grad(lambda iq, ik, w: indexer_kl_loss(
+            iq, ik, w, q, kv, sm_scale=c.softmax_scale, q_positions=pos, kv_positions=pos,
+            indices=idx, implementation=implementation), argnums=(0, 1, 2))(iq, ik, w)
+
+    out["indexer_kl_loss_fwd_bwd"] = timed(kl, iq, ik, w, repeats=repeats)
+    ratio = (out["indexer_topk"]["median_ms"] + out["indexer_kl_loss_fwd_bwd"]["median_ms"]) / \
+        out["sparse_mla_fwd_bwd"]["median_ms"]
+    out["indexer_over_sparse_mla"] = round(ratio, 3)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4096,8192,16384")
+    p.add_argument("--layer-only", default="", help="sizes timed as a whole layer step only")
+    p.add_argument("--implementation", default=None)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    c = get_config("glm5")
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                        capture_output=True, text=True).stdout.strip()
+    res = {"benchmark": "benchmarks/dsa_layer.py", "commit": commit,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "implementation": a.implementation, "model": "glm5 (hidden 6144, H 64, D_qk 576, "
+           "index 32 x 128, top-k 2048), one batch row, bfloat16", "repeats": a.repeats,
+           "sizes": {}}
+    sizes = [int(x) for x in a.sizes.split(",") if x]
+    layer_only = [int(x) for x in a.layer_only.split(",") if x]
+    for s in sizes + layer_only:
+        row = {"layer_fwd_bwd": layer_step(c, s, a.implementation, True, a.repeats),
+               "layer_fwd_bwd_without_kl": layer_step(c, s, a.implementation, False, a.repeats)}
+        if s in sizes:
+            row.update(ops(c, s, a.implementation, a.repeats))
+        res["sizes"][str(s)] = row
+        print(s, json.dumps(row), flush=True)
+    text = json.dumps(res, indent=1)
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(text + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

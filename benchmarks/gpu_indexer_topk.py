@@ -1,0 +1,135 @@
+"""Speed of indexer_topk(implementation="cuda") on an SM90 GPU, with "xla" for the ratio.
+
+    python benchmarks/gpu_indexer_topk.py [--out results.json] [--reps 20] [--no-xla]
+
+GLM-5's indexer (index heads 32, head dim 128, topk 2048) at S_q = S_kv in {4096, 16384, 32768}
+causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 heads at 16384.
+Each time is the median of --reps jitted calls after 3 warm-up calls, host wall time around
+block_until_ready, fresh random bf16 inputs (no zeros). Beside the whole call: the score kernels
+alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores.
+Command buffers are turned off (XLA_FLAGS) so that the variable takes effect per call. The
+kernels' own CUDA-event times, per score-kernel variant, come from
+``topk_selftest --bench`` (ffi/cuda/indexer/topk_selftest.cu).
+
+TFLOP/s counts the score products of the visible pairs only: 2 * H_I * D_I * visible_pairs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_dsa  # noqa: E402
+
+
+def _ensure_registered():
+    """Until jax_dsa/ops/indexer/topk.py registers topk_cuda, add it here (scripts only)."""
+    from jax_dsa.ops.indexer import topk as topk_op
+    from jax_dsa.ops.indexer import topk_cuda
+    from jax_dsa.ops.registry import Registry
+
+    if "cuda" not in topk_op.REGISTRY:
+        print("note: registering topk_cuda in indexer_topk's registry (not yet in topk.py)")
+        topk_op.REGISTRY = Registry(
+            "indexer_topk", (topk_op.topk_xla.IMPLEMENTATION, topk_cuda.IMPLEMENTATION),
+            preference={"default": ("xla",), "gpu": ("cuda", "xla")})
+
+
+_ensure_registered()
+
+
+def timed(f, args, reps):
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3, float(np.min(ts)) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-xla", action="store_true")
+    a = ap.parse_args()
+    dev = jax.devices()[0]
+    print("device:", dev.device_kind, getattr(dev, "compute_capability", None), flush=True)
+    shapes = [  # (name, H_I, S_q, S_kv, topk, q offset, time xla)
+        ("glm5 4k causal", 32, 4096, 4096, 2048, 0, True),
+        ("glm5 16k causal", 32, 16384, 16384, 2048, 0, True),
+        ("glm5 32k causal", 32, 32768, 32768, 2048, 0, False),
+        ("glm5 128k kv, last 4096 q", 32, 4096, 131072, 2048, 131072 - 4096, False),
+        ("v3.2 16k causal (h64)", 64, 16384, 16384, 2048, 0, False),
+    ]
+    key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
+    rows = []
+    for name, h, s_q, s_kv, topk, off, with_xla in shapes:
+        k1, k2, k3, key = jax.random.split(key, 4)
+        q = (jax.random.normal(k1, (s_q, h, 128), jnp.float32) * 0.5).astype(jnp.bfloat16)
+        kk = jax.random.normal(k2, (s_kv, 128), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(k3, (s_q, h), jnp.float32) * (h ** -0.5) * (128 ** -0.5)
+        q_pos = jnp.arange(s_q, dtype=jnp.int32) + off
+        kv_pos = jnp.arange(s_kv, dtype=jnp.int32)
+        visible = int(np.sum(np.minimum(np.arange(s_q) + off + 1, s_kv)))
+        flops = 2 * h * 128 * visible
+
+        def make(impl):
+            return jax.jit(lambda q, k, w, qp, kp: jax_dsa.indexer_topk(
+                q, k, w, topk=topk, q_positions=qp, kv_positions=kp, implementation=impl))
+
+        args = (q, kk, w, q_pos, kv_pos)
+        f = make("cuda")
+        row = dict(name=name, index_heads=h, head_dim=128, s_q=s_q, s_kv=s_kv, topk=topk,
+                   causal_q_offset=off, visible_pairs=visible)
+        row["cuda_ms"], row["cuda_min_ms"] = timed(f, args, a.reps)
+        os.environ["JAX_DSA_INDEXER_STAGES"] = "score"
+        row["score_only_ms"], _ = timed(f, args, a.reps)
+        del os.environ["JAX_DSA_INDEXER_STAGES"]
+        row["topk_ms"] = row["cuda_ms"] - row["score_only_ms"]
+        row["score_tflops"] = flops / (row["cuda_ms"] * 1e-3) / 1e12
+        row["score_kernel_tflops"] = flops / (row["score_only_ms"] * 1e-3) / 1e12
+        if with_xla and not a.no_xla:
+            row["xla_ms"], _ = timed(make("xla"), args, max(5, a.reps // 2))
+            row["xla_over_cuda"] = row["xla_ms"] / row["cuda_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, kk, w, f
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() + "+uncommitted"
+    except OSError:
+        commit = "unknown"
+    result = dict(date=datetime.date.today().isoformat(), gpu=dev.device_kind,
+                  compute_capability=str(getattr(dev, "compute_capability", None)),
+                  jax=jax.__version__, commit=commit, timing="median of %d jitted calls after 3 "
+                  "warm-ups, host wall time around block_until_ready; command buffers off" % a.reps,
+                  tflops="2 * H_I * D_I * visible pairs / time", rows=rows)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print()
+    print(f"{'shape':28s} {'cuda ms':>8s} {'scores':>8s} {'top-k':>7s} "
+          f"{'TFLOP/s':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
+    for r in rows:
+        print(f"{r['name']:28s} {r['cuda_ms']:8.2f} {r['score_only_ms']:8.2f} {r['topk_ms']:7.2f} "
+              f"{r['score_tflops']:8.1f} "
+              f"{r.get('xla_ms', float('nan')):8.2f} {r.get('xla_over_cuda', float('nan')):8.1f}")
+
+
+if __name__ == "__main__":
+    main()

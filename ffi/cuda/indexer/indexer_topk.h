@@ -1,0 +1,82 @@
+// The lightning indexer's top-k on SM90 (plain CUDA C++, nvcc sm_90a): launch code, no XLA.
+//
+// Contract (jax_dsa/ops/indexer/topk_cuda.py prepares it; the "xla" implementation defines it):
+// per batch element, scores I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) (bf16 q, k; fp32
+// tensor-core accumulation; fp32 w and head sum), key s visible to query t iff
+// kv_pos[s] <= q_pos[t] and kv_seg[s] == q_seg[t]; per row the topk visible keys by descending
+// score, exact ties to the lower key index, -0.0 == +0.0, visible scores clamped to >= -FLT_MAX,
+// -1 past the visible count.
+//
+// Work per batch element and chunk of query rows (a [chunk_rows, ld] fp32 score buffer in the
+// workspace, never [S_q, S_kv] at once): (1) per 64-key tile min position and segment range;
+// (2) the score kernel: mma.sync m16n8k16 bf16 with each warp's 32 heads of one query in
+// registers, 64-key tiles streamed through shared memory by cp.async, relu + weighted head sum
+// in registers, -inf for invisible keys; the key tiles that no query of a CTA can see are skipped
+// and the row's scanned range [lo, hi) is recorded; (3) the top-k kernel: one CTA per row,
+// radix select on order-preserving uint32 keys (8 bits a pass), lowest-index tie rule by an
+// ordered prefix count, bitonic sort of (key, ~index) in shared memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_dsa {
+namespace indexer {
+
+constexpr int kTopkHeadDim = 128;     // index_head_dim compiled
+constexpr int kTopkMaxK = 2048;       // topk at most
+constexpr int64_t kTopkMaxSkv = int64_t(1) << 21;
+constexpr int kTopkKeyTile = 64;      // keys per score tile (the workspace row stride's multiple)
+constexpr int kTopkRowTile = 8;       // a chunk's rows are best a multiple of this
+
+// Heads the kernels take (the glue pads index heads with zero q and zero weight).
+inline bool TopkHeadsSupported(int64_t h) { return h == 32 || h == 64; }
+
+// Bytes of the workspace for S_kv keys and chunk_rows query rows per chunk:
+// scores [chunk_rows, ld] fp32 (ld = S_kv rounded up to 64), row ranges [chunk_rows] int2,
+// key-tile stats [ld / 64] int4, each section 256-byte aligned.
+inline size_t TopkRowStride(int64_t s_kv) {
+  return size_t((s_kv + kTopkKeyTile - 1) / kTopkKeyTile) * kTopkKeyTile;
+}
+inline size_t TopkAlign(size_t x) { return (x + 255) / 256 * 256; }
+inline size_t TopkWorkspaceBytes(int64_t s_kv, int64_t chunk_rows) {
+  const size_t ld = TopkRowStride(s_kv);
+  return TopkAlign(size_t(chunk_rows) * ld * 4) + TopkAlign(size_t(chunk_rows) * 8) +
+         TopkAlign(ld / kTopkKeyTile * 16);
+}
+
+struct TopkLaunch {
+  const void* q;        // [nb, s_q, heads, 128] bf16
+  const void* k;        // [nb, s_kv, 128] bf16
+  const float* w;       // [nb, s_q, heads]
+  const int32_t* q_pos; // [nb, s_q]
+  const int32_t* kv_pos;
+  const int32_t* q_seg;
+  const int32_t* kv_seg;
+  int32_t* out;         // [nb, s_q, topk]
+  void* workspace;      // TopkWorkspaceBytes(s_kv, chunk_rows)
+  int64_t nb, s_q, s_kv, heads, topk, chunk_rows;
+  cudaStream_t stream;
+  // Benchmarks and tests only: the score kernel variant (-1: the default, or the environment's
+  // JAX_DSA_INDEXER_SCORE_VARIANT) and the stages run (0: both, or the score kernel alone when
+  // JAX_DSA_INDEXER_STAGES=score; 1: the score kernel alone; 2: the top-k kernel alone, on the
+  // workspace's scores and ranges from an earlier call of the same shapes).
+  int score_variant = -1;
+  int stages = 0;
+  int topk_variant = -1;  // -1: the default, or JAX_DSA_INDEXER_TOPK_VARIANT
+};
+
+// Numbers of score and top-k kernel variants (TopkLaunch::score_variant, ::topk_variant).
+int TopkScoreVariants();
+int TopkTopkVariants();
+
+// Raises the kernels' shared-memory limits on the current device (idempotent, per device).
+cudaError_t TopkPrepare();
+// Enqueues the whole computation on a.stream (no allocation, no synchronisation). `what` names
+// the failing step.
+cudaError_t LaunchTopk(const TopkLaunch& a, const char** what);
+
+}  // namespace indexer
+}  // namespace jax_dsa

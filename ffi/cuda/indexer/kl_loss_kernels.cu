@@ -1,0 +1,760 @@
+// The sparse indexer KL loss kernels for SM90 (contract and math: kl_loss.h). Plain CUDA C++:
+// bf16 mma.sync.m16n8k16 with fp32 accumulators, ldmatrix from XOR-swizzled shared memory
+// (conflict-free), cp.async gathers of the slots' rows, thread-block clusters with distributed
+// shared memory for the per-head softmax statistics of a row split over several CTAs.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kl_loss.h"
+
+namespace cg = cooperative_groups;
+
+namespace jax_dsa {
+namespace indexer_kl {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+
+__device__ __forceinline__ uint32_t SmemU32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Copies 16 bytes, or writes 16 zero bytes when !pred (src is not read then, but must be valid).
+__device__ __forceinline__ void CpAsync16Zfill(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a (16x16, row) * b (16x8, col), bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void RedAddV4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ClusterSync() {
+  ClusterArrive();
+  ClusterWait();
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel A: target mass and index score.
+//
+// CTA tile: 64 head rows (the A operand: q of one 64-head group, or iq zero-padded to 64) x 256
+// slots (B: the gathered rows), reduced over the width in chunks of 32 (one pipeline stage,
+// 64-byte rows, 16-byte pieces XOR-swizzled by (row >> 1) & 3). Warp w owns slots 32w..32w+31 and
+// all 64 rows: 4 m16 tiles x 4 n8 tiles, 64 fp32 accumulators per thread.
+
+constexpr int kTileRows = 64;
+constexpr int kChunk = 32;
+constexpr int kStages = 4;
+constexpr int kRowBytes = kChunk * 2;
+constexpr int kStageABytes = kTileRows * kRowBytes;
+constexpr int kStageBBytes = kSlotsPerCta * kRowBytes;
+constexpr int kStageBytes = kStageABytes + kStageBBytes;
+
+struct FwdSmem {
+  alignas(128) unsigned char stage[kStages][kStageBytes];
+  int rows[kSlotsPerCta];  // global key row of each slot, -1 off the support
+  float red[kWarps][kTileRows];
+  float cta_max[kTileRows];  // read by the cluster's other CTAs
+  float cta_sum[kTileRows];  // read by the cluster's other CTAs
+  float head_max[kTileRows];
+  float coef[kTileRows];
+  float w[kTileRows];
+  float lse2[kTileRows];  // V4 mode: the group's given denominators in base 2 (+inf past H)
+};
+
+__device__ __forceinline__ uint32_t Swz64(int r, int c) {  // byte offset of piece c of row r
+  return uint32_t(r * kRowBytes + ((c ^ ((r >> 1) & 3)) << 4));
+}
+
+__device__ __forceinline__ void FwdLoadChunk(FwdSmem& sm, int stage, const bf16* a,
+                                             int64_t a_stride, int a_rows, const bf16* b,
+                                             int64_t b_stride, int chunk, int tid) {
+  const uint32_t sa = SmemU32(sm.stage[stage]);
+  const uint32_t sb = sa + kStageABytes;
+  {  // A: 64 rows x 4 pieces, one per thread; rows past a_rows are zero
+    const int r = tid >> 2, c = tid & 3;
+    const bool ok = r < a_rows;
+    const bf16* src = a + (ok ? int64_t(r) * a_stride : 0) + chunk * kChunk + c * 8;
+    CpAsync16Zfill(sa + Swz64(r, c), src, ok);
+  }
+#pragma unroll
+  for (int i = 0; i < (kSlotsPerCta * 4) / kThreads; ++i) {  // B: 256 rows x 4 pieces
+    const int p = tid + i * kThreads;
+    const int r = p >> 2, c = p & 3;
+    const int row = sm.rows[r];
+    // Off-support slots are not loaded: their columns are masked with a select, and a column of
+    // the product depends on its own B row only.
+    if (row >= 0) CpAsync16(sb + Swz64(r, c), b + int64_t(row) * b_stride + chunk * kChunk + c * 8);
+  }
+}
+
+__device__ __forceinline__ void FwdComputeChunk(float (&acc)[4][4][4], uint32_t sa, uint32_t sb,
+                                                int warp, int lane) {
+  const int mi = lane >> 3, l8 = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    uint32_t af[4][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      const int r = mt * 16 + (mi & 1) * 8 + l8;
+      Ldsm4(af[mt], sa + Swz64(r, ks * 2 + (mi >> 1)));
+    }
+    uint32_t bfr[4][2];
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      const int r = warp * 32 + np * 16 + (mi >> 1) * 8 + l8;
+      uint32_t x[4];
+      Ldsm4(x, sb + Swz64(r, ks * 2 + (mi & 1)));
+      bfr[2 * np][0] = x[0];
+      bfr[2 * np][1] = x[1];
+      bfr[2 * np + 1][0] = x[2];
+      bfr[2 * np + 1][1] = x[3];
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) Mma(acc[mt][nt], af[mt], bfr[nt][0], bfr[nt][1]);
+  }
+}
+
+// acc = A (a_rows valid rows of stride a_stride, zero-padded to 64) . B[rows]^T over n_chunks * 32
+// columns. Leaves every stage free (all copies landed, all warps done).
+__device__ __forceinline__ void FwdGemm(FwdSmem& sm, float (&acc)[4][4][4], const bf16* a, int64_t a_stride,
+                        int a_rows, const bf16* b, int64_t b_stride, int n_chunks, int tid) {
+  const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_chunks) FwdLoadChunk(sm, s, a, a_stride, a_rows, b, b_stride, s, tid);
+    CpAsyncCommit();
+  }
+  for (int c = 0; c < n_chunks; ++c) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
+    const int nc = c + kStages - 1;
+    if (nc < n_chunks) FwdLoadChunk(sm, nc % kStages, a, a_stride, a_rows, b, b_stride, nc, tid);
+    CpAsyncCommit();
+    const uint32_t sa = SmemU32(sm.stage[c % kStages]);
+    FwdComputeChunk(acc, sa, sa + kStageABytes, warp, lane);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+}
+
+// kGivenLse: DeepSeek V4 mode (kl_loss.h): the denominators come from a.lse, no cluster (the
+// `cluster` CTAs of a row run independently) and the result is the log of the group's mass.
+template <bool kGivenLse>
+__global__ void __launch_bounds__(kThreads, 2) KlFwdKernel(const FwdArgs a, int cluster) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  FwdSmem& sm = *reinterpret_cast<FwdSmem*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int64_t t = blockIdx.x / cluster;
+  const int c = int(blockIdx.x % cluster);
+  const int hg = blockIdx.y;
+  const int64_t k = a.k, col0 = int64_t(c) * kSlotsPerCta;
+
+  // The support of this CTA's slots.
+  int my_row = -1;
+  {
+    const int64_t b = t / a.s_q;
+    const int qp = a.q_pos[t];
+    const int64_t col = col0 + tid;
+    if (col < k) {
+      const int i = a.idx[t * k + col];
+      if (i >= 0 && i < a.s_kv) {
+        const int64_t r = b * a.s_kv + i;
+        if (a.kv_pos[r] <= qp && (a.q_seg == nullptr || a.kv_seg[r] == a.q_seg[t])) my_row = int(r);
+      }
+    }
+    sm.rows[tid] = my_row;
+    if (tid < kTileRows) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
+    if constexpr (kGivenLse) {
+      if (tid >= kTileRows && tid < 2 * kTileRows) {
+        const int64_t hh = int64_t(hg) * kTileRows + (tid - kTileRows);
+        sm.lse2[tid - kTileRows] =
+            hh < a.h ? a.lse[t * a.h + hh] * 1.4426950408889634f : INFINITY;  // padded: exp -> 0
+      }
+    }
+  }
+  const bool any = __syncthreads_or(my_row >= 0);  // also publishes rows and w
+
+  float acc[4][4][4];
+  bool vc[4][2];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) vc[nt][e] = sm.rows[warp * 32 + nt * 8 + 2 * q4 + e] >= 0;
+
+  // Index score (head group 0 only): sum_hi w * relu(iq . ik).
+#ifdef JAX_DSA_KL_ABLATE_SCORE  // timing ablation only: results wrong
+  if (hg == 0) {
+    if (any && a.k < 0)
+#else
+  if (hg == 0) {
+    if (any)
+#endif
+      FwdGemm(sm, acc, a.iq + t * a.h_i * kIndexHeadDim, kIndexHeadDim, int(a.h_i), a.ik,
+              kIndexHeadDim, kIndexHeadDim / kChunk, tid);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float s = 0.f;
+        if (any) {
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              s += sm.w[mt * 16 + g + 8 * half] * fmaxf(acc[mt][nt][half * 2 + e], 0.f);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 8);
+        s += __shfl_xor_sync(0xffffffffu, s, 16);
+        const int j = warp * 32 + nt * 8 + 2 * q4 + e;
+        if (g == 0 && col0 + j < k) a.score[t * k + col0 + j] = vc[nt][e] ? s : -INFINITY;
+      }
+  }
+
+  // Main logits of this head group, in base 2.
+  const int64_t h_left = a.h - int64_t(hg) * kTileRows;
+  const int h_rows = h_left < kTileRows ? int(h_left) : kTileRows;
+  if (any)
+    FwdGemm(sm, acc, a.q + (t * a.h + int64_t(hg) * kTileRows) * a.d, a.d, h_rows, a.kv, a.d,
+            int(a.d / kChunk), tid);
+  const float scale = a.sm_scale * 1.4426950408889634f;
+
+  if constexpr (kGivenLse) {
+    // Per slot (a column: its 64 heads sit in this thread's 8 values and 8 lanes g), the log of
+    // sum_h exp2(scale * logit - lse2[h]) with the column's max subtracted: exact whatever the
+    // mass. No cross-CTA statistics: the denominators are given.
+    float* out = a.mass + (int64_t(hg) * a.t + t) * k;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = any && vc[nt][e];
+        float m = -INFINITY;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float v = ok ? acc[mt][nt][half * 2 + e] * scale - sm.lse2[mt * 16 + g + 8 * half]
+                               : -INFINITY;
+            acc[mt][nt][half * 2 + e] = v;
+            m = fmaxf(m, v);
+          }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        const bool finite = m > -INFINITY && m < INFINITY;
+        const float mm = finite ? m : 0.f;
+        float sum = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) sum += Exp2(acc[mt][nt][half * 2 + e] - mm);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+        const int j = warp * 32 + nt * 8 + 2 * q4 + e;
+        if (g == 0 && col0 + j < k)
+          out[col0 + j] = !ok ? -INFINITY : (finite ? (m + log2f(sum)) * 0.6931471805599453f : m);
+      }
+    return;
+  } else {
+  cg::cluster_group cl = cg::this_cluster();
+
+  // Per-head max over the row's support (this CTA, then the cluster).
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = (any && vc[nt][e]) ? acc[mt][nt][half * 2 + e] * scale : -INFINITY;
+          acc[mt][nt][half * 2 + e] = v;
+          m = fmaxf(m, v);
+        }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if (q4 == 0) sm.red[warp][mt * 16 + g + 8 * half] = m;
+    }
+  __syncthreads();
+  if (tid < kTileRows) {
+    float m = sm.red[0][tid];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sm.red[w][tid]);
+    sm.cta_max[tid] = m;
+  }
+  ClusterSync();  // every CTA of the cluster has published cta_max (and is running)
+  if (tid < kTileRows) {
+    float m = -INFINITY;
+    for (int r = 0; r < cluster; ++r) m = fmaxf(m, *cl.map_shared_rank(&sm.cta_max[tid], r));
+    sm.head_max[tid] = m == -INFINITY ? 0.f : m;  // a row without support: all exponentials 0
+  }
+  __syncthreads();
+
+  // Exponentials (kept in place of the logits) and their per-head sums.
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float mx = sm.head_max[mt * 16 + g + 8 * half];
+      float s = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = Exp2(acc[mt][nt][half * 2 + e] - mx);
+          acc[mt][nt][half * 2 + e] = x;
+          s += x;
+        }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (q4 == 0) sm.red[warp][mt * 16 + g + 8 * half] = s;
+    }
+  __syncthreads();
+  if (tid < kTileRows) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += sm.red[w][tid];
+    sm.cta_sum[tid] = s;
+  }
+  ClusterSync();
+  if (tid < kTileRows) {
+    float z = 0.f;
+    for (int r = 0; r < cluster; ++r) z += *cl.map_shared_rank(&sm.cta_sum[tid], r);
+    sm.coef[tid] = (tid < h_rows && z > 0.f) ? 1.f / z : 0.f;  // padded heads excluded
+  }
+  ClusterArrive();  // this CTA's reads of the others' shared memory are done
+  __syncthreads();
+
+  // mass[j] = sum over this group's heads of exp / Z_h.
+  float* mass = a.mass + (int64_t(hg) * a.t + t) * k;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float s = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          s += acc[mt][nt][half * 2 + e] * sm.coef[mt * 16 + g + 8 * half];
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      s += __shfl_xor_sync(0xffffffffu, s, 16);
+      const int j = warp * 32 + nt * 8 + 2 * q4 + e;
+      if (g == 0 && col0 + j < k) mass[col0 + j] = vc[nt][e] ? s : 0.f;
+    }
+  ClusterWait();  // no CTA leaves while another may still read its shared memory
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel B: the indexer's gradients. One CTA per query row; slot tiles of 64 (ik rows of 256
+// bytes, 16-byte pieces XOR-swizzled by row & 7), three stages.
+
+constexpr int kBTile = 64;
+constexpr int kBStages = 3;
+constexpr int kBRowBytes = kIndexHeadDim * 2;
+constexpr int kMaxTiles = kMaxTopk / kBTile;
+
+template <int HI>
+struct BwdSmem {
+  alignas(128) unsigned char ik[kBStages][kBTile * kBRowBytes];
+  alignas(128) unsigned char iq[HI * kBRowBytes];
+  alignas(128) unsigned char gs[HI * kBTile * 2];  // G [hi][slot] bf16, 128-byte rows
+  float w[HI];
+  float dw_red[kWarps][HI];
+  int tiles[kMaxTiles];  // the tiles with at least one contributing slot
+  int n_tiles;
+  // then rows [k_pad] int32 and dscore [k_pad] float32 (dynamic)
+};
+
+__device__ __forceinline__ uint32_t Swz256(int r, int c) {  // 256-byte rows, 16 pieces
+  return uint32_t(r * kBRowBytes + ((c ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ uint32_t Swz128(int r, int c) {  // 128-byte rows, 8 pieces
+  return uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+}
+
+template <int HI>
+__global__ void __launch_bounds__(kThreads, 2) KlBwdKernel(const BwdArgs a) {
+  constexpr int MT = HI / 16;        // m16 tiles of index heads
+  constexpr int NG = kWarps / MT;    // slot groups in the first product
+  constexpr int SW = kBTile / NG;    // slots per group
+  constexpr int NT1 = SW / 8;        // n8 tiles per warp in the first product
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  BwdSmem<HI>& sm = *reinterpret_cast<BwdSmem<HI>*>(smem_raw);
+  const int64_t k = a.k;
+  const int n_all = int((k + kBTile - 1) / kBTile);
+  const int k_pad = n_all * kBTile;
+  int* rows = reinterpret_cast<int*>(smem_raw + sizeof(BwdSmem<HI>));
+  float* ds = reinterpret_cast<float*>(rows + k_pad);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int mi = lane >> 3, l8 = lane & 7;
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / a.s_q;
+  const uint32_t s_iq = SmemU32(sm.iq), s_g = SmemU32(sm.gs);
+
+  // iq[t] (zero rows past H_I): the first copy group.
+  for (int p = tid; p < HI * 16; p += kThreads) {
+    const int r = p >> 4, c = p & 15;
+    const bool ok = r < a.h_i;
+    CpAsync16Zfill(s_iq + Swz256(r, c), a.iq + (t * a.h_i + (ok ? r : 0)) * kIndexHeadDim + c * 8,
+                   ok);
+  }
+  CpAsyncCommit();
+  if (tid < kMaxTiles) sm.tiles[tid] = 0;
+  if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
+  __syncthreads();
+  for (int j = tid; j < k_pad; j += kThreads) {
+    int row = -1;
+    float d = 0.f;
+    if (j < k) {
+      const int i = a.idx[t * k + j];
+      d = a.dscore[t * k + j];
+      if (i >= 0 && i < a.s_kv && d != 0.f) row = int(b * a.s_kv + i);
+    }
+    rows[j] = row;
+    ds[j] = row >= 0 ? d : 0.f;
+    if (row >= 0) sm.tiles[j / kBTile] = 1;  // benign race: every writer stores 1
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = 0;
+    for (int i = 0; i < n_all; ++i)
+      if (sm.tiles[i]) sm.tiles[n++] = i;
+    sm.n_tiles = n;
+  }
+  __syncthreads();
+  const int n_act = sm.n_tiles;
+
+  auto load_tile = [&](int stage, int tile) {
+    const uint32_t dst = SmemU32(sm.ik[stage]);
+#pragma unroll
+    for (int i = 0; i < (kBTile * 16) / kThreads; ++i) {
+      const int p = tid + i * kThreads;
+      const int r = p >> 4, c = p & 15;
+      const int row = rows[tile * kBTile + r];
+      // Zero rows for the tile's other slots: G is 0 there, and 0 * (stale NaN) would not be.
+      CpAsync16Zfill(dst + Swz256(r, c), a.ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + c * 8,
+                     row >= 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kBStages - 1; ++s) {
+    if (s < n_act) load_tile(s, sm.tiles[s]);
+    CpAsyncCommit();
+  }
+
+  float acc2[MT][2][4];  // d_iq: all index heads x dims 16w..16w+15
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc2[mt][nt][e] = 0.f;
+  float dw_acc[2] = {0.f, 0.f};
+  const int mt1 = warp % MT, ng = warp / MT;  // first product: heads 16 mt1.., slots SW ng..
+  const int um = warp & 3, dh = warp >> 2;    // third product: slots 16 um.., dims 64 dh..
+
+  for (int it = 0; it < n_act; ++it) {
+    CpAsyncWait<kBStages - 2>();
+    __syncthreads();  // tile it landed; the previous tile's stage and G are free
+    if (it + kBStages - 1 < n_act)
+      load_tile((it + kBStages - 1) % kBStages, sm.tiles[it + kBStages - 1]);
+    CpAsyncCommit();
+    const uint32_t s_ik = SmemU32(sm.ik[it % kBStages]);
+    const int j0 = sm.tiles[it] * kBTile;
+
+    // (1) s = iq . ik^T for heads 16 mt1.. x slots SW ng..
+    float s[NT1][4];
+#pragma unroll
+    for (int nt = 0; nt < NT1; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int kp = 0; kp < 4; ++kp) {
+      uint32_t a0[4], a1[4];
+      {
+        const int r = mt1 * 16 + (mi & 1) * 8 + l8;
+        Ldsm4(a0, s_iq + Swz256(r, kp * 4 + (mi >> 1)));
+        Ldsm4(a1, s_iq + Swz256(r, kp * 4 + 2 + (mi >> 1)));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT1; ++nt) {
+        uint32_t x[4];
+        Ldsm4(x, s_ik + Swz256(ng * SW + nt * 8 + l8, kp * 4 + mi));
+        Mma(s[nt], a0, x[0], x[1]);
+        Mma(s[nt], a1, x[2], x[3]);
+      }
+    }
+    // G = dscore * w * (s > 0) (bf16, to shared memory); d_w += dscore * relu(s).
+#pragma unroll
+    for (int nt = 0; nt < NT1; ++nt) {
+      const int jl = ng * SW + nt * 8 + 2 * q4;
+      const float d0 = ds[j0 + jl], d1 = ds[j0 + jl + 1];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int hr = mt1 * 16 + g + 8 * half;
+        const float x0 = s[nt][half * 2], x1 = s[nt][half * 2 + 1];
+        dw_acc[half] += d0 * fmaxf(x0, 0.f) + d1 * fmaxf(x1, 0.f);
+        const float wv = sm.w[hr];
+        const uint32_t v = PackBf16(x0 > 0.f ? d0 * wv : 0.f, x1 > 0.f ? d1 * wv : 0.f);
+        const uint32_t addr = s_g + Swz128(hr, jl >> 3) + (jl & 7) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+      }
+    }
+    __syncthreads();
+
+    // (2) d_iq += G . ik  (heads x dims 16 warp..): B = ik^T via ldmatrix.trans.
+#pragma unroll
+    for (int ks = 0; ks < kBTile / 16; ++ks) {
+      uint32_t x[4];
+      Ldsm4T(x, s_ik + Swz256(ks * 16 + (mi & 1) * 8 + l8, warp * 2 + (mi >> 1)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t af[4];
+        Ldsm4(af, s_g + Swz128(mt * 16 + (mi & 1) * 8 + l8, ks * 2 + (mi >> 1)));
+        Mma(acc2[mt][0], af, x[0], x[1]);
+        Mma(acc2[mt][1], af, x[2], x[3]);
+      }
+    }
+
+    // (3) u = G^T . iq (slots 16 um.. x dims 64 dh..), added to d_ik rows with vector atomics.
+    float u[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) u[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < MT; ++ks) {
+      uint32_t af[4];
+      Ldsm4T(af, s_g + Swz128(ks * 16 + (mi >> 1) * 8 + l8, um * 2 + (mi & 1)));
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t x[4];
+        Ldsm4T(x, s_iq + Swz256(ks * 16 + (mi & 1) * 8 + l8, dh * 8 + np * 2 + (mi >> 1)));
+        Mma(u[2 * np], af, x[0], x[1]);
+        Mma(u[2 * np + 1], af, x[2], x[3]);
+      }
+    }
+    {
+      const bool even = (q4 & 1) == 0;
+      const int sl = um * 16 + g + (even ? 0 : 8);
+      const int row = rows[j0 + sl];
+      float* dst = a.d_ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + dh * 64 + 2 * (q4 & ~1);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float s0 = even ? u[nt][2] : u[nt][0];
+        const float s1 = even ? u[nt][3] : u[nt][1];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+#ifdef JAX_DSA_KL_ABLATE_ATOMICS  // timing ablation only: results wrong
+        if (row >= 0 && u[nt][0] == 1234.5f) {
+#else
+        if (row >= 0) {
+#endif
+          if (even)
+            RedAddV4(dst + nt * 8, u[nt][0], u[nt][1], r0, r1);
+          else
+            RedAddV4(dst + nt * 8, r0, r1, u[nt][2], u[nt][3]);
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // d_iq and d_w.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int hr = mt * 16 + g + 8 * half;
+      if (hr < a.h_i) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          float2 v = make_float2(acc2[mt][nt][half * 2], acc2[mt][nt][half * 2 + 1]);
+          *reinterpret_cast<float2*>(a.d_iq + (t * a.h_i + hr) * kIndexHeadDim + warp * 16 +
+                                     nt * 8 + 2 * q4) = v;
+        }
+      }
+    }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float v = dw_acc[half];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if (q4 == 0) sm.dw_red[ng][mt1 * 16 + g + 8 * half] = v;
+  }
+  __syncthreads();
+  if (tid < a.h_i) {
+    float v = 0.f;
+#pragma unroll
+    for (int n = 0; n < NG; ++n) v += sm.dw_red[n][tid];
+    a.d_w[t * a.h_i + tid] = v;
+  }
+}
+
+int FwdClusters(int64_t k) { return int((k + kSlotsPerCta - 1) / kSlotsPerCta); }
+
+template <int HI>
+size_t BwdSmemBytes(int64_t k) {
+  const int64_t k_pad = (k + kBTile - 1) / kBTile * kBTile;
+  return sizeof(BwdSmem<HI>) + size_t(k_pad) * 8;
+}
+
+template <int HI>
+cudaError_t LaunchBwdHi(const BwdArgs& a, cudaStream_t stream) {
+  const size_t smem = BwdSmemBytes<HI>(a.k);
+  cudaError_t e = cudaFuncSetAttribute(KlBwdKernel<HI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(smem));
+  if (e != cudaSuccess) return e;
+  KlBwdKernel<HI><<<dim3(unsigned(a.t)), kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+const char* FwdUnsupported(const FwdArgs& a) {
+  if (a.d < kChunk || a.d % kChunk != 0) return "D_qk must be a positive multiple of 32";
+  if (a.h < 1 || a.h > kMaxHeads) return "H must be in [1, 128]";
+  if (a.h_i < 1 || a.h_i > kMaxIndexHeads) return "index_n_heads must be in [1, 64]";
+  if (a.k < 1 || a.k > kMaxTopk) return "K must be in [1, 2048]";
+  if (a.s_q < 1 || a.s_kv < 1 || a.t % a.s_q != 0) return "S_q and S_kv must be >= 1, T a multiple of S_q";
+  if ((a.t / a.s_q) * a.s_kv > INT32_MAX) return "NB * S_kv must be < 2^31";
+  if (a.t * FwdClusters(a.k) > INT32_MAX) return "T * ceil(K / 256) must be < 2^31";
+  if ((a.q_seg == nullptr) != (a.kv_seg == nullptr)) return "give both segment ids or neither";
+  return nullptr;
+}
+
+const char* BwdUnsupported(const BwdArgs& a) {
+  if (a.h_i < 1 || a.h_i > kMaxIndexHeads) return "index_n_heads must be in [1, 64]";
+  if (a.k < 1 || a.k > kMaxTopk) return "K must be in [1, 2048]";
+  if (a.s_q < 1 || a.s_kv < 1 || a.t % a.s_q != 0) return "S_q and S_kv must be >= 1, T a multiple of S_q";
+  if ((a.t / a.s_q) * a.s_kv > INT32_MAX) return "NB * S_kv must be < 2^31";
+  if (a.t > INT32_MAX) return "T must be < 2^31";
+  return nullptr;
+}
+
+cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
+  if (a.t == 0) return cudaSuccess;
+  const int cluster = FwdClusters(a.k);
+  const size_t smem = sizeof(FwdSmem);
+  if (a.lse != nullptr) {  // V4: the denominators are given, the CTAs of a row are independent
+    cudaError_t e = cudaFuncSetAttribute(KlFwdKernel<true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) return e;
+    const dim3 grid(unsigned(a.t * cluster), unsigned((a.h + kTileRows - 1) / kTileRows), 1);
+    KlFwdKernel<true><<<grid, kThreads, smem, stream>>>(a, cluster);
+    return cudaGetLastError();
+  }
+  cudaError_t e = cudaFuncSetAttribute(KlFwdKernel<false>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(a.t * cluster), unsigned((a.h + kTileRows - 1) / kTileRows), 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, KlFwdKernel<false>, a, cluster);
+  if (e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
+  const size_t bytes = size_t(a.t / a.s_q) * size_t(a.s_kv) * kIndexHeadDim * sizeof(float);
+  cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
+  if (e != cudaSuccess || a.t == 0) return e;
+  return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
+}
+
+}  // namespace indexer_kl
+}  // namespace jax_dsa

@@ -1,0 +1,261 @@
+"""The ``"cuda"`` implementation of ``indexer_kl_loss``: the sparse form on SM90 GPUs.
+
+Two CUDA C++ kernels of the ``_cuda_indexer`` FFI module (``ffi/cuda/indexer/kl_loss*.cu``; the
+contract in ``kl_loss.h``) do the work that needs the ``[S_q, K, D]`` gathered rows; the KL
+algebra on small ``[S_q, K]`` float32 arrays stays in XLA here, so no ``[S_q, K, D]`` array is
+ever formed:
+
+* the forward kernel (``jax_dsa_indexer_kl_fwd_cuda``) writes, per query row and slot, the
+  target's unnormalised mass ``sum_{h local} softmax_h(sm_scale * q[t, h] . kv[idx])`` (0 off the
+  support) and the index score ``I = sum_hi w * relu(iq . ik[idx])`` (``-inf`` off the support);
+* XLA sums the mass over head groups and, under tensor parallelism (``layout.heads``), over the
+  head shards (``psum``), divides by the total ``H``, and forms the KL and the row counts;
+* the backward recomputes the forward kernel (under ``jax.value_and_grad`` XLA merges the two
+  identical calls), forms ``dI = g * (softmax(I) * sum(p) - p)`` on the support and hands it to
+  the backward kernel (``jax_dsa_indexer_kl_bwd_cuda``), which writes ``d index_q``,
+  ``d index_weights`` and ``d index_k`` (fp32 vector atomics) in float32.
+
+Precision: ``q``, ``kv``, ``index_q`` and ``index_k`` are rounded to bfloat16 (the kernels'
+operands; ``KLCall.dtype`` is the promoted dtype of all float inputs, float32 with float32
+weights), ``index_weights`` stays float32, every product accumulates in float32. In the backward
+``G = dI * w * 1[iq . ik > 0]`` is rounded to bfloat16 for its two tensor-core products.
+
+Limits: the sparse form only, ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` (local
+heads), ``index_n_heads <= 64``, ``K <= 2048``, an SM90 GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa.ops.indexer.common import masked_log_softmax
+from jax_dsa.ops.indexer.config import KLCall, KLConfig
+from jax_dsa.ops.registry import Implementation, native_unavailable
+from jax_dsa.ops.sparse_mla.cuda import device_error
+
+FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
+BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
+MODULE = "_cuda_indexer"
+KERNEL_D_QK = (512, 576)
+INDEX_HEAD_DIM = 128
+MAX_HEADS = 128
+MAX_INDEX_HEADS = 64
+MAX_TOPK = 2048
+HEAD_GROUP = 64  # main heads per forward CTA tile: the mass comes per group of 64
+
+def module_error():
+    """Why the ``_cuda_indexer`` module is not available in this install (None when loaded)."""
+    return native_unavailable("cuda", MODULE)
+
+
+def support_error(call: KLCall) -> str | None:
+    """Why the kernels cannot take ``call`` (its shapes and dtype), or None."""
+    if call.topk is None:
+        return ("implementation='cuda' takes the sparse form only (indices=...); the dense form "
+                "runs on 'xla'")
+    if call.d_qk not in KERNEL_D_QK:
+        return f"implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {call.d_qk}"
+    if call.index_head_dim != INDEX_HEAD_DIM:
+        return (f"implementation='cuda' supports index_head_dim {INDEX_HEAD_DIM}, got "
+                f"{call.index_head_dim}")
+    if call.index_n_heads > MAX_INDEX_HEADS:
+        return (f"implementation='cuda' supports at most {MAX_INDEX_HEADS} index heads, got "
+                f"{call.index_n_heads}")
+    if call.h > MAX_HEADS:
+        return f"implementation='cuda' supports at most {MAX_HEADS} heads, got H={call.h}"
+    if call.topk > MAX_TOPK:
+        return f"implementation='cuda' supports at most {MAX_TOPK} slots (K), got {call.topk}"
+    if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return (f"implementation='cuda' computes in float32 from bfloat16 operands; got "
+                f"{jnp.dtype(call.dtype)} inputs (use 'xla' for float64)")
+    return None
+
+
+def supported(call: KLCall) -> str | None:
+    """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
+    kernels are not built), then the build, then the GPU."""
+    return support_error(call) or module_error() or device_error()
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' calls (flat rows: T = NB * S_q, NB * S_kv keys)
+
+
+def _flat_operands(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, idx):
+    nb, s_q, h_i, d_i = iq.shape
+    s_kv = ik.shape[1]
+    t = nb * s_q
+    bf = jnp.bfloat16
+    if q_seg is None:
+        q_seg = jnp.zeros((0,), jnp.int32)
+        kv_seg = jnp.zeros((0,), jnp.int32)
+    else:
+        q_seg = q_seg.astype(jnp.int32).reshape(t)
+        kv_seg = kv_seg.astype(jnp.int32).reshape(nb * s_kv)
+    return dict(
+        iq=iq.astype(bf).reshape(t, h_i, d_i), ik=ik.astype(bf).reshape(nb * s_kv, d_i),
+        iw=iw.astype(jnp.float32).reshape(t, h_i), idx=idx.astype(jnp.int32).reshape(t, -1),
+        q_pos=q_pos.astype(jnp.int32).reshape(t), kv_pos=kv_pos.astype(jnp.int32).reshape(-1),
+        q_seg=q_seg, kv_seg=kv_seg)
+
+
+def forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, *, sm_scale):
+    """The forward kernel on flattened batches: ``(mass [ceil(H / 64), NB, S_q, K], score
+    [NB, S_q, K])`` float32 (see the module docstring; ``-inf`` score marks slots off the
+    support)."""
+    nb, s_q, h, d = q.shape
+    s_kv, k = kv.shape[1], idx.shape[-1]
+    t, groups = nb * s_q, -(-h // HEAD_GROUP)
+    o = _flat_operands(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, idx)
+    call = jax.ffi.ffi_call(
+        FWD_TARGET,
+        (jax.ShapeDtypeStruct((groups, t, k), jnp.float32),
+         jax.ShapeDtypeStruct((t, k), jnp.float32)),
+        vmap_method="sequential",
+    )
+    mass, score = call(q.astype(jnp.bfloat16).reshape(t, h, d),
+                       kv.astype(jnp.bfloat16).reshape(nb * s_kv, d), o["iq"], o["ik"], o["iw"],
+                       o["idx"], o["q_pos"], o["kv_pos"], o["q_seg"], o["kv_seg"],
+                       sm_scale=np.float32(sm_scale), s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    return mass.reshape(groups, nb, s_q, k), score.reshape(nb, s_q, k)
+
+
+def backward_kernel(iq, ik, iw, idx, dscore):
+    """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
+    ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support)."""
+    nb, s_q, h_i, d_i = iq.shape
+    s_kv, k = ik.shape[1], idx.shape[-1]
+    t = nb * s_q
+    bf = jnp.bfloat16
+    call = jax.ffi.ffi_call(
+        BWD_TARGET,
+        (jax.ShapeDtypeStruct((t, h_i, d_i), jnp.float32),
+         jax.ShapeDtypeStruct((nb * s_kv, d_i), jnp.float32),
+         jax.ShapeDtypeStruct((t, h_i), jnp.float32)),
+        vmap_method="sequential",
+    )
+    d_iq, d_ik, d_w = call(iq.astype(bf).reshape(t, h_i, d_i),
+                           ik.astype(bf).reshape(nb * s_kv, d_i),
+                           iw.astype(jnp.float32).reshape(t, h_i),
+                           idx.astype(jnp.int32).reshape(t, k),
+                           dscore.astype(jnp.float32).reshape(t, k),
+                           s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    return (d_iq.reshape(nb, s_q, h_i, d_i), d_ik.reshape(nb, s_kv, d_i),
+            d_w.reshape(nb, s_q, h_i))
+
+
+# The kernels this module calls (tests swap in the pure-JAX references below on CPU).
+KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
+
+
+def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
+    valid = (idx >= 0) & (idx < s_kv)
+    safe = jnp.where(valid, idx, 0)
+    take = jax.vmap(lambda a, i: a[i])
+    support = valid & (take(kv_pos, safe) <= q_pos[..., None])
+    if q_seg is not None:
+        support = support & (take(kv_seg, safe) == q_seg[..., None])
+    return support, safe
+
+
+def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, *, sm_scale):
+    """The forward kernel's contract in pure JAX (gathers ``[NB, S_q, K, D]``: small shapes only;
+    for tests)."""
+    nb, s_q, h, d = q.shape
+    s_kv = kv.shape[1]
+    groups = -(-h // HEAD_GROUP)
+    f32, bf = jnp.float32, jnp.bfloat16
+    support, safe = _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv)
+    take = jax.vmap(lambda a, i: a[i])
+    rows = take(kv.astype(bf).astype(f32), safe)  # [nb, s_q, k, d]
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale
+    p_h = jnp.exp(masked_log_softmax(logits, support[:, :, None, :]))
+    p_h = jnp.where(support[:, :, None, :], p_h, 0)
+    p_h = jnp.pad(p_h, ((0, 0), (0, 0), (0, groups * HEAD_GROUP - h), (0, 0)))
+    mass = jnp.sum(p_h.reshape(nb, s_q, groups, HEAD_GROUP, -1), axis=3).transpose(2, 0, 1, 3)
+    krow = take(ik.astype(bf).astype(f32), safe)
+    dots = jnp.einsum("bshd,bskd->bshk", iq.astype(bf).astype(f32), krow,
+                      precision=jax.lax.Precision.HIGHEST)
+    score = jnp.sum(jax.nn.relu(dots) * iw.astype(f32)[..., None], axis=2)
+    return mass, jnp.where(support, score, -jnp.inf)
+
+
+def reference_backward_kernel(iq, ik, iw, idx, dscore):
+    """The backward kernel's contract in pure JAX (small shapes only; for tests)."""
+    nb, s_q, h_i, d_i = iq.shape
+    s_kv = ik.shape[1]
+    f32, bf = jnp.float32, jnp.bfloat16
+    valid = (idx >= 0) & (idx < s_kv)
+    safe = jnp.where(valid, idx, 0)
+    ds = jnp.where(valid, dscore.astype(f32), 0)
+    take = jax.vmap(lambda a, i: a[i])
+    iqf, ikf = iq.astype(bf).astype(f32), ik.astype(bf).astype(f32)
+    krow = take(ikf, safe)
+    hp = jax.lax.Precision.HIGHEST
+    dots = jnp.einsum("bshd,bskd->bshk", iqf, krow, precision=hp)
+    d_w = jnp.einsum("bsk,bshk->bsh", ds, jax.nn.relu(dots), precision=hp)
+    gmat = ds[:, :, None, :] * iw.astype(f32)[..., None] * (dots > 0)
+    d_iq = jnp.einsum("bshk,bskd->bshd", gmat, krow, precision=hp)
+    u = jnp.einsum("bshk,bshd->bskd", gmat, iqf, precision=hp)
+    d_ik = jax.vmap(lambda z, i, x: z.at[i].add(x))(
+        jnp.zeros_like(ikf), safe.reshape(nb, -1), u.reshape(nb, -1, d_i))
+    return d_iq, d_ik, d_w
+
+
+# --------------------------------------------------------------------------------------------
+# The implementation (kl_vjp contract)
+
+
+def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config):
+    """``p [NB, S_q, K]`` (the target, head mean over every shard; 0 off the support) and the
+    index score (``-inf`` off the support)."""
+    mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
+                                     sm_scale=config.sm_scale)
+    mass = jnp.sum(mass, axis=0)
+    if layout.heads:  # heads split over the mesh: the head mean spans every shard
+        mass = jax.lax.psum(mass, layout.heads)
+    return mass / jnp.float32(config.h), score
+
+
+def _check(idx, q):
+    if idx is None:
+        raise NotImplementedError(
+            "indexer_kl_loss: implementation='cuda' takes the sparse form only (indices=...)")
+    if q.shape[2] > MAX_HEADS:
+        raise ValueError(f"indexer_kl_loss: implementation='cuda' takes at most {MAX_HEADS} local "
+                         f"heads, got {q.shape[2]}")
+
+
+def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config: KLConfig):
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows."""
+    _check(idx, q)
+    p, score = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
+                                 config)
+    support = score != -jnp.inf
+    log_pi = masked_log_softmax(score, support)
+    pos = support & (p > 0)
+    log_p = jnp.log(jnp.where(pos, p, 1))
+    kl = jnp.sum(jnp.where(pos, p * (log_p - log_pi), 0), axis=-1)
+    has = jnp.any(support, axis=-1)
+    return (jnp.sum(jnp.where(has, kl, 0), axis=-1),
+            jnp.sum(has.astype(jnp.int32), axis=-1))
+
+
+def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config: KLConfig):
+    """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
+    KL sums (``d index_k`` a partial sum over this shard's rows)."""
+    _check(idx, q)
+    p, score = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
+                                 config)
+    support = score != -jnp.inf
+    pi = jnp.where(support, jnp.exp(masked_log_softmax(score, support)), 0)
+    total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
+    g = g.astype(jnp.float32)[:, None, None]
+    dscore = jnp.where(support, g * (pi * total - p), 0)
+    return KERNELS["backward"](iq, ik, iw, idx, dscore)
+
+
+IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",))

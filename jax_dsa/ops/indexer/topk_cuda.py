@@ -1,0 +1,146 @@
+"""The ``"cuda"`` implementation of ``indexer_topk``: jax_dsa's own SM90 kernels (plain CUDA C++,
+``ffi/cuda/indexer``) in the ``_cuda_indexer`` FFI module.
+
+The contract is the ``"xla"`` implementation's (:mod:`jax_dsa.ops.indexer.topk_xla`): descending
+score, exact ties to the lower key index, ``-0.0 == +0.0``, visible scores never below the
+lowest finite float, ``-1`` past the visible keys, bitwise deterministic. What differs is the
+arithmetic of the scores: ``q`` and ``k`` are rounded to bfloat16 for the tensor cores (exact
+for bfloat16 inputs, the layers' case), ``q . k`` is accumulated in float32 by the tensor cores
+and ``relu(.) * weights`` summed over the heads in float32 in a fixed order of the kernel's own.
+So for bfloat16 ``q``/``k`` the scores equal the ``"xla"`` ones up to float32 summation order
+(relative ~1e-6), and the selections agree except between keys whose scores are that close;
+float32 ``q``/``k`` are rounded to bfloat16 first (a larger difference, see the tests).
+
+Shapes (flattened batches, as :func:`jax_dsa.ops.indexer.topk_xla.forward`): ``q [NB, S_q, H_I,
+128]``, ``k [NB, S_kv, 128]``, ``weights [NB, S_q, H_I]``, positions and segment ids
+``[NB, S_q]`` / ``[NB, S_kv]`` (segment ids may be ``None``). Index heads are padded to 32 or 64
+with zero q and zero weight (a contribution of exactly 0). The scores of a chunk of query rows
+(``[chunk_rows, S_kv]`` float32, at most :data:`WORKSPACE_LIMIT` bytes) live in the custom call's
+workspace result; the handler loops over batch elements and chunks.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
+from jax_dsa.ops.registry import Implementation, native_unavailable
+from jax_dsa.ops.sparse_mla.cuda import device_error
+
+MODULE = "_cuda_indexer"
+TARGET = "jax_dsa_indexer_topk_cuda"
+KERNEL_HEAD_DIM = 128
+KERNEL_HEADS = (32, 64)  # index heads are padded to one of these
+MAX_TOPK = 2048
+MAX_S_KV = 1 << 21
+KEY_TILE = 64  # the score buffer's row stride is S_kv rounded up to this
+ROW_TILE = 8  # a chunk's rows: a multiple of the score kernel's 8 rows per CTA
+# Bytes of score buffer per chunk of query rows (the workspace result's main part).
+WORKSPACE_LIMIT = 1 << 30
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_heads(h: int) -> int:
+    """The compiled head count that ``h`` index heads are padded to."""
+    for hp in KERNEL_HEADS:
+        if h <= hp:
+            return hp
+    raise ValueError(f"indexer_topk: implementation='cuda' supports at most {KERNEL_HEADS[-1]} "
+                     f"index heads, got {h}")
+
+
+def chunk_rows(s_q: int, s_kv: int) -> int:
+    """Query rows per chunk: as many as fit :data:`WORKSPACE_LIMIT` (a multiple of 8, >= 8),
+    no more than ``S_q`` rounded up to 8."""
+    ld = _round_up(s_kv, KEY_TILE)
+    rows = max(ROW_TILE, (WORKSPACE_LIMIT // (ld * 4)) // ROW_TILE * ROW_TILE)
+    return min(rows, _round_up(max(s_q, 1), ROW_TILE))
+
+
+def workspace_bytes(s_kv: int, rows: int) -> int:
+    """Bytes of the workspace result (ffi/cuda/indexer/indexer_topk.h TopkWorkspaceBytes):
+    scores ``[rows, ld]`` float32, row ranges ``[rows]`` int2, key-tile stats ``[ld / 64]``
+    int4, each 256-byte aligned."""
+    ld = _round_up(s_kv, KEY_TILE)
+    return (_round_up(rows * ld * 4, 256) + _round_up(rows * 8, 256)
+            + _round_up(ld // KEY_TILE * 16, 256))
+
+
+def module_error():
+    """Why the ``_cuda_indexer`` module is not available in this install (None when loaded)."""
+    return native_unavailable("cuda", MODULE)
+
+
+def shape_error(dtype, h: int, d: int, s_kv: int, topk: int) -> str | None:
+    """Why the compiled kernels cannot take these sizes, or None."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4:
+        return (f"implementation='cuda' takes float32/bfloat16/float16 inputs (q and k are "
+                f"rounded to bfloat16), got {dtype}")
+    if d != KERNEL_HEAD_DIM:
+        return f"implementation='cuda' supports index_head_dim {KERNEL_HEAD_DIM}, got {d}"
+    if h > KERNEL_HEADS[-1]:
+        return (f"implementation='cuda' supports at most {KERNEL_HEADS[-1]} index heads, "
+                f"got {h}")
+    if topk > MAX_TOPK:
+        return f"implementation='cuda' supports topk <= {MAX_TOPK}, got {topk}"
+    if s_kv > MAX_S_KV:
+        return f"implementation='cuda' supports S_kv <= {MAX_S_KV}, got {s_kv}"
+    return None
+
+
+def supported(call: TopkCall) -> str | None:
+    """Why ``"cuda"`` cannot take ``call``: the compiled sizes first (told even where the module
+    is not built), then the build, then the GPU."""
+    why = shape_error(call.dtype, call.index_n_heads, call.index_head_dim, call.s_kv, call.topk)
+    if why:
+        return why
+    return module_error() or device_error()
+
+
+def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int):
+    """The custom call itself: ``(indices [NB, S_q, topk] int32, workspace uint8)``; the
+    workspace holds the last chunk's scores (a debugging aid: rows ``[0, rows)`` of
+    ``[chunk_rows, ld]`` float32, valid inside each row's range)."""
+    nb, s_q, h, d = q.shape
+    s_kv = k.shape[1]
+    why = shape_error(jnp.result_type(q, k, weights), h, d, s_kv, topk)
+    if why:
+        raise ValueError("indexer_topk: " + why)
+    missing = module_error()
+    if missing is not None:
+        raise NotImplementedError("indexer_topk: " + missing)
+    hp = padded_heads(h)
+    q = q.astype(jnp.bfloat16)
+    weights = weights.astype(jnp.float32)
+    if hp > h:  # zero q and zero weight: each padded head adds exactly 0
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, 0), (0, hp - h)))
+    i32 = jnp.int32
+    if q_seg is None:
+        q_seg = jnp.zeros(q_pos.shape, i32)
+        kv_seg = jnp.zeros(kv_pos.shape, i32)
+    rows = chunk_rows(s_q, s_kv)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct((nb, s_q, topk), i32),
+         jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8)),
+        vmap_method="sequential",
+    )
+    return call(q, k.astype(jnp.bfloat16), weights, q_pos.astype(i32), kv_pos.astype(i32),
+                q_seg.astype(i32), kv_seg.astype(i32), chunk_rows=np.int64(rows))
+
+
+def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config: TopkConfig):
+    """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys."""
+    return topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config.topk)[0]
+
+
+IMPLEMENTATION = Implementation("cuda", supported, forward, platforms=("gpu",))

@@ -1,0 +1,165 @@
+"""The ``"cuda"`` implementation of ``v4_indexer_kl_loss``: the sparse form on SM90 GPUs.
+
+DeepSeek V4's target differs from V3.2's only in the per-head denominators: they are given
+(``attention_lse``: window + compressed slots + sink) instead of the softmax over the row's
+support. So the forward kernel runs in its given-denominator mode (FFI target
+``jax_dsa_indexer_v4_kl_fwd_cuda``, ``ffi/cuda/indexer/kl_loss*.cu``, contract in ``kl_loss.h``):
+one pass over the gathered rows, no per-head statistics and no cluster exchange. Per query row
+and slot it writes
+
+* the LOG of the target's unnormalised mass per 64-head group,
+  ``log sum_{h in group} exp(sm_scale * q[t, h] . kv[idx] - attention_lse[t, h])`` (``-inf`` off
+  the support), computed with the slot's max over the heads subtracted, so that a compressed
+  mass that underflows float32 next to the window and sink mass (1e-30 and less) stays exact;
+* the index score ``I = sum_hi w * relu(iq . ik[idx])`` (``-inf`` off the support).
+
+XLA log-sum-exps the groups and, under tensor parallelism (``layout.heads``), the head shards
+(``pmax`` then ``psum``, :func:`~jax_dsa.sharding.partition.head_logsumexp`), normalises per row
+in log space (the row's total mass; the ``1/H`` of the head mean cancels) and forms the KL; the
+backward is :mod:`~jax_dsa.ops.indexer.kl_loss_cuda`'s: ``dI = g * (softmax(I) * sum(p) - p)``
+into the same backward kernel (``jax_dsa_indexer_kl_bwd_cuda``). No ``[S_q, K, D]`` array is
+formed in XLA.
+
+Precision and limits: as :mod:`~jax_dsa.ops.indexer.kl_loss_cuda` (``q``, ``kv``, ``index_q``,
+``index_k`` rounded to bfloat16, ``index_weights`` and ``attention_lse`` float32, float32
+accumulation; the sparse form only, ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128``
+local heads, ``index_n_heads <= 64``, ``K <= 2048``, an SM90 GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa.ops.indexer import kl_loss_cuda
+from jax_dsa.ops.indexer.common import masked_log_softmax
+from jax_dsa.ops.indexer.config import KLCall, KLConfig
+from jax_dsa.ops.indexer.kl_loss_cuda import HEAD_GROUP, MAX_HEADS, MODULE
+from jax_dsa.ops.registry import Implementation, native_unavailable
+from jax_dsa.ops.sparse_mla.cuda import device_error
+from jax_dsa.sharding.partition import head_logsumexp
+
+FWD_TARGET = "jax_dsa_indexer_v4_kl_fwd_cuda"
+BWD_TARGET = kl_loss_cuda.BWD_TARGET
+
+
+def module_error():
+    """Why the ``_cuda_indexer`` module is not available in this install (None when loaded)."""
+    return native_unavailable("cuda", MODULE)
+
+
+def supported(call: KLCall) -> str | None:
+    """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
+    kernels are not built), then the build, then the GPU."""
+    return kl_loss_cuda.support_error(call) or module_error() or device_error()
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' calls (flat rows: T = NB * S_q, NB * S_kv keys)
+
+
+def forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, *, sm_scale):
+    """The forward kernel (V4 mode) on flattened batches: ``(log_mass [ceil(H / 64), NB, S_q,
+    K], score [NB, S_q, K])`` float32 (see the module docstring; ``-inf`` marks slots off the
+    support in both)."""
+    nb, s_q, h, d = q.shape
+    s_kv, k = kv.shape[1], idx.shape[-1]
+    t, groups = nb * s_q, -(-h // HEAD_GROUP)
+    o = kl_loss_cuda._flat_operands(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, idx)
+    call = jax.ffi.ffi_call(
+        FWD_TARGET,
+        (jax.ShapeDtypeStruct((groups, t, k), jnp.float32),
+         jax.ShapeDtypeStruct((t, k), jnp.float32)),
+        vmap_method="sequential",
+    )
+    log_mass, score = call(
+        q.astype(jnp.bfloat16).reshape(t, h, d), kv.astype(jnp.bfloat16).reshape(nb * s_kv, d),
+        o["iq"], o["ik"], o["iw"], o["idx"], o["q_pos"], o["kv_pos"], o["q_seg"], o["kv_seg"],
+        lse.astype(jnp.float32).reshape(t, h),
+        sm_scale=np.float32(sm_scale), s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    return log_mass.reshape(groups, nb, s_q, k), score.reshape(nb, s_q, k)
+
+
+# The kernels this module calls (tests swap in the pure-JAX references below on CPU).
+KERNELS = {"forward": forward_kernel, "backward": kl_loss_cuda.backward_kernel}
+
+
+def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, *,
+                             sm_scale):
+    """The forward kernel's contract in pure JAX (gathers ``[NB, S_q, K, D]``: small shapes only;
+    for tests)."""
+    nb, s_q, h, d = q.shape
+    s_kv = kv.shape[1]
+    groups = -(-h // HEAD_GROUP)
+    f32, bf = jnp.float32, jnp.bfloat16
+    support, safe = kl_loss_cuda._support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv)
+    take = jax.vmap(lambda a, i: a[i])
+    rows = take(kv.astype(bf).astype(f32), safe)  # [nb, s_q, k, d]
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale
+    log_ph = jnp.where(support[:, :, None, :], logits - lse.astype(f32)[..., None], -jnp.inf)
+    log_ph = jnp.pad(log_ph, ((0, 0), (0, 0), (0, groups * HEAD_GROUP - h), (0, 0)),
+                     constant_values=-jnp.inf)
+    log_mass = jax.nn.logsumexp(log_ph.reshape(nb, s_q, groups, HEAD_GROUP, -1), axis=3)
+    _, score = kl_loss_cuda.reference_forward_kernel(
+        iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q[:, :, :1], kv, idx, sm_scale=sm_scale)
+    return log_mass.transpose(2, 0, 1, 3), score
+
+
+# --------------------------------------------------------------------------------------------
+# The implementation (kl_vjp contract)
+
+
+def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, config):
+    """``(log_p, p)`` of the target ``[NB, S_q, K]`` (over every head shard; ``log_p`` 0 and
+    ``p`` 0 off the support), the index score (``-inf`` off the support) and the support."""
+    log_mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                                         idx, sm_scale=config.sm_scale)
+    support = score != -jnp.inf
+    log_t = head_logsumexp(log_mass, 0, layout)  # groups, then head shards (pmax, psum)
+    log_p = masked_log_softmax(jnp.where(support, log_t, 0), support)
+    # A slot whose mass underflows float32 even relative to the row's largest: p = 0 (its
+    # log_p is -inf); left out of the KL sum below.
+    p = jnp.where(support, jnp.exp(log_p), 0)
+    return log_p, p, score, support
+
+
+def _check(idx, q):
+    if idx is None:
+        raise NotImplementedError(
+            "v4_indexer_kl_loss: implementation='cuda' takes the sparse form only (indices=...)")
+    if q.shape[2] > MAX_HEADS:
+        raise ValueError(f"v4_indexer_kl_loss: implementation='cuda' takes at most {MAX_HEADS} "
+                         f"local heads, got {q.shape[2]}")
+
+
+def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
+            config: KLConfig):
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows."""
+    _check(idx, q)
+    log_p, p, score, support = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg,
+                                                 kv_seg, q, kv, lse, idx, config)
+    log_pi = masked_log_softmax(score, support)
+    pos = support & (p > 0)
+    kl = jnp.sum(jnp.where(pos, p * (jnp.where(pos, log_p, 0) - log_pi), 0), axis=-1)
+    has = jnp.any(support, axis=-1)
+    return (jnp.sum(jnp.where(has, kl, 0), axis=-1),
+            jnp.sum(has.astype(jnp.int32), axis=-1))
+
+
+def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
+             config: KLConfig):
+    """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
+    KL sums (``d index_k`` a partial sum over this shard's rows)."""
+    _check(idx, q)
+    _, p, score, support = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg,
+                                             q, kv, lse, idx, config)
+    pi = jnp.where(support, jnp.exp(masked_log_softmax(score, support)), 0)
+    total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
+    g = g.astype(jnp.float32)[:, None, None]
+    dscore = jnp.where(support, g * (pi * total - p), 0)
+    return KERNELS["backward"](iq, ik, iw, idx, dscore)
+
+
+IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",))

@@ -1,0 +1,262 @@
+"""indexer_topk(implementation="cuda"): the SM90 kernels of ffi/cuda/indexer (module
+jax_dsa._cuda_indexer).
+
+Without a GPU (CI): the module loads or says why, the glue's workspace formula is the handler's,
+``supported`` gives the rule of each refusal, and the op lowers for CUDA to the one custom call
+(no sort or top-k over [S_q, S_kv] left in the program). On an SM90 GPU also the numerics (the
+full GPU check with timing is benchmarks/gpu_check_indexer_topk.py and gpu_indexer_topk.py).
+"""
+
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dsa import _native, indexer_topk
+from jax_dsa.ops.indexer import topk as topk_module
+from jax_dsa.ops.indexer import topk_cuda as tc
+from jax_dsa.ops.indexer.config import TopkCall
+from jax_dsa.ops.registry import Unavailable
+
+LOADED = tc.module_error() is None
+needs_module = pytest.mark.skipif(not LOADED, reason=f"_cuda_indexer not built: {tc.module_error()}")
+
+
+def _on_sm90():
+    if not LOADED or jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+needs_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an SM90 GPU and _cuda_indexer")
+
+
+def test_module_loads_or_reports_why():
+    if LOADED:
+        mod = _native._MODULES[tc.MODULE]
+        assert tuple(mod.FFI_API_VERSION) == (0, 4)
+        assert tc.TARGET in mod.registrations()
+        lim = mod.topk_limits()
+        assert lim["head_dim"] == tc.KERNEL_HEAD_DIM
+        assert tuple(lim["heads"]) == tc.KERNEL_HEADS
+        assert lim["max_topk"] == tc.MAX_TOPK and lim["max_s_kv"] == tc.MAX_S_KV
+        assert lim["key_tile"] == tc.KEY_TILE and lim["row_tile"] == tc.ROW_TILE
+    else:
+        assert tc.module_error()
+        assert shutil.which("nvcc") is None or tc.MODULE in _native.LOAD_ERRORS
+
+
+def test_registered_in_the_op():
+    assert "cuda" in topk_module.REGISTRY, "topk.REGISTRY lacks topk_cuda.IMPLEMENTATION"
+    assert topk_module.REGISTRY["cuda"] is tc.IMPLEMENTATION
+
+
+@needs_module
+@pytest.mark.parametrize("s_kv,rows", [(1, 8), (63, 8), (64, 16), (1000, 104), (131072, 2048),
+                                       (131073, 2040)])
+def test_workspace_formula_matches_the_handler(s_kv, rows):
+    mod = _native._MODULES[tc.MODULE]
+    assert mod.topk_workspace_bytes(s_kv, rows) == tc.workspace_bytes(s_kv, rows)
+
+
+@pytest.mark.parametrize("s_q,s_kv", [(1, 1), (100, 1000), (32768, 32768), (4096, 131072),
+                                      (5, 1 << 21)])
+def test_chunk_rows_bound_the_workspace(s_q, s_kv):
+    rows = tc.chunk_rows(s_q, s_kv)
+    assert rows % tc.ROW_TILE == 0 and rows >= tc.ROW_TILE
+    assert rows <= -(-s_q // 8) * 8
+    ld = -(-s_kv // 64) * 64
+    assert rows == tc.ROW_TILE or rows * ld * 4 <= tc.WORKSPACE_LIMIT
+
+
+def _call(**kw):
+    base = dict(dtype=np.dtype(np.float32), index_n_heads=32, index_head_dim=128, s_q=100,
+                s_kv=1000, topk=2048, segments=False)
+    base.update(kw)
+    return TopkCall(**base)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(index_head_dim=64), "index_head_dim 128"),
+    (dict(index_n_heads=65), "at most 64 index heads"),
+    (dict(topk=2049), "topk <= 2048"),
+    (dict(s_kv=(1 << 21) + 1), "S_kv <="),
+    (dict(dtype=np.dtype(np.float64)), "float64"),
+])
+def test_supported_refuses_with_the_rule(change, match):
+    why = tc.supported(_call(**change))
+    assert why is not None and re.search(match, why), why
+    assert not isinstance(why, Unavailable)
+
+
+def test_supported_takes_the_layer_calls():
+    for h in (1, 16, 20, 32, 48, 64):
+        for dt in (np.float32, jnp.bfloat16, np.float16):
+            why = tc.supported(_call(index_n_heads=h, dtype=np.dtype(dt), segments=True))
+            if LOADED:
+                assert why is None, why
+            else:
+                assert isinstance(why, Unavailable)
+
+
+def test_unbuilt_module_is_unavailable(monkeypatch):
+    monkeypatch.setattr(tc, "module_error", lambda: Unavailable(
+        "implementation='cuda' is not available in this jax_dsa (not built)"))
+    why = tc.supported(_call())
+    assert isinstance(why, Unavailable) and "not available" in why
+
+
+@pytest.mark.parametrize("cc,ok", [("9.0", True), ("8.0", False), ("10.0", False),
+                                   ("12.0", False)])
+def test_device_rule(monkeypatch, cc, ok):
+    class Dev:
+        compute_capability = cc
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    why = tc.device_error()
+    assert (why is None) == ok, why
+    if not ok:
+        assert "SM90" in why and cc in why
+
+
+def _lower(b, s_q, s_kv, h, topk, segments):
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, s_q, h, 128), jnp.bfloat16), sds((b, s_kv, 128), jnp.bfloat16),
+            sds((b, s_q, h), jnp.float32), sds((b, s_q), jnp.int32), sds((b, s_kv), jnp.int32)]
+    if segments:
+        args += [sds((b, s_q), jnp.int32), sds((b, s_kv), jnp.int32)]
+
+    def f(q, k, w, qp, kp, qs=None, ks=None):
+        return indexer_topk(q, k, w, topk=topk, q_positions=qp, kv_positions=kp,
+                            q_segment_ids=qs, kv_segment_ids=ks, implementation="cuda")
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    return text, calls
+
+
+@needs_module
+@pytest.mark.parametrize("b,s_q,s_kv,h,topk,hp,segments", [
+    (2, 70, 90, 20, 16, 32, False),
+    (1, 300, 4096, 64, 2048, 64, True),
+    (3, 33, 20, 48, 2048, 64, False),  # topk > S_kv: the op pads the rest with -1
+])
+def test_lowers_to_the_custom_call(b, s_q, s_kv, h, topk, hp, segments):
+    text, calls = _lower(b, s_q, s_kv, h, topk, segments)
+    ours = [c for c in calls if c[0] == tc.TARGET]
+    assert len(ours) == 1, [c[0] for c in calls]
+    _, _, attrs, operand_types, result_types = ours[0]
+    k_eff = min(topk, s_kv)
+    assert f"tensor<{b}x{s_q}x{hp}x128xbf16>" in operand_types
+    assert f"tensor<{b}x{s_kv}x128xbf16>" in operand_types
+    assert f"tensor<{b}x{s_q}x{hp}xf32>" in operand_types
+    assert operand_types.count(f"tensor<{b}x{s_q}xi32>") == 2  # positions and segment ids
+    rows = tc.chunk_rows(s_q, s_kv)
+    assert f"tensor<{b}x{s_q}x{k_eff}xi32>" in result_types
+    assert f"tensor<{tc.workspace_bytes(s_kv, rows)}xui8>" in result_types
+    assert f"chunk_rows = {rows}" in attrs
+    # No dense selection left in the program: no sort, no top-k.
+    assert "stablehlo.sort" not in text
+    assert "top_k" not in text.lower() and "topk" not in re.sub(r"jax_dsa_indexer_topk_cuda", "",
+                                                                 text).lower()
+    assert f"{s_q}x{s_kv}x" not in text.replace(f"{s_q}x{s_kv}xi32", "")  # no [S_q, S_kv] value
+
+
+def test_wrong_sizes_raise_before_lowering():
+    q = jnp.zeros((4, 2, 64), jnp.bfloat16)
+    k = jnp.zeros((6, 64), jnp.bfloat16)
+    w = jnp.zeros((4, 2), jnp.float32)
+    pos = jnp.arange(4), jnp.arange(6)
+    with pytest.raises((ValueError, NotImplementedError), match="index_head_dim 128|not available"):
+        jax.eval_shape(lambda q, k, w: indexer_topk(q, k, w, topk=2, q_positions=pos[0],
+                                                    kv_positions=pos[1], implementation="cuda"),
+                       q, k, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# On an SM90 GPU
+
+
+def _oracle(q, k, w):
+    dots = np.einsum("thd,sd->ths", q.astype(np.float64), k.astype(np.float64))
+    score = np.einsum("ths,th->ts", np.maximum(dots, 0), w.astype(np.float64))
+    bound = np.einsum("th,thd->td", np.abs(w.astype(np.float64)), np.abs(q.astype(np.float64)))
+    return score, bound @ np.abs(k.astype(np.float64)).T * 4e-5 + 1e-30
+
+
+def _bf(x):
+    return np.array(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # writable copy
+
+
+def _check_rows(idx, score, tol, vis, topk):
+    for t in range(idx.shape[0]):
+        v = vis[t]
+        kp = min(topk, int(v.sum()))
+        head = idx[t, :kp]
+        assert np.all(idx[t, kp:] == -1)
+        assert len(set(head.tolist())) == kp and np.all(v[head])
+        if kp:
+            rest = v.copy()
+            rest[head] = False
+            if rest.any():
+                assert np.max(score[t, rest] - tol[t, rest]) <= np.min(score[t, head] + tol[t, head])
+
+
+@needs_sm90
+@pytest.mark.parametrize("h,s_q,s_kv,topk,docs", [(32, 300, 500, 64, False), (64, 200, 2100, 2048, False),
+                                                  (20, 256, 256, 512, True)])
+def test_gpu_matches_the_oracle_and_xla(h, s_q, s_kv, topk, docs):
+    rng = np.random.default_rng()
+    q = _bf(rng.standard_normal((s_q, h, 128)) * 0.5)
+    k = _bf(rng.standard_normal((s_kv, 128)))
+    w = (rng.standard_normal((s_q, h)) * 0.02).astype(np.float32)
+    qp = np.arange(s_q) + (s_kv - s_q)
+    kp = np.arange(s_kv)
+    qs = ks = None
+    vis = kp[None, :] <= qp[:, None]
+    if docs:
+        qs, ks = qp // 100, kp // 100
+        vis &= ks[None, :] == qs[:, None]
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w))
+    run = lambda impl: np.asarray(indexer_topk(*args, topk=topk, q_positions=qp, kv_positions=kp,
+                                               q_segment_ids=qs, kv_segment_ids=ks,
+                                               implementation=impl))
+    got = run("cuda")
+    assert got.shape == (s_q, topk) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, run("cuda"))  # deterministic
+    score, tol = _oracle(q, k, w)
+    _check_rows(got, score, tol, vis, topk)
+    ref = run("xla")
+    same = np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(got, ref)])
+    assert same > 0.9, same
+
+
+@needs_sm90
+def test_gpu_exact_ties_go_to_the_lower_index():
+    rng = np.random.default_rng()
+    s, h, topk = 700, 32, 96
+    q = _bf(rng.standard_normal((s, h, 128)))
+    k = np.abs(_bf(rng.standard_normal((s, 128))))
+    k[rng.random(s) < 0.4] = 0  # exact zero scores
+    k[1::3] = k[0:-1:3][: len(k[1::3])]  # duplicated keys: equal scores
+    q[: s // 2] = -np.abs(q[: s // 2])  # these rows score every key exactly 0
+    w = np.abs(rng.standard_normal((s, h))).astype(np.float32)
+    pos = np.arange(s)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w))
+    got = np.asarray(indexer_topk(*args, topk=topk, q_positions=pos, kv_positions=pos,
+                                  implementation="cuda"))
+    ref = np.asarray(indexer_topk(*args, topk=topk, q_positions=pos, kv_positions=pos,
+                                  implementation="xla"))
+    # All-zero rows: the lowest indices, in order, exactly as "xla".
+    for t in range(s // 2):
+        kp = min(topk, t + 1)
+        np.testing.assert_array_equal(got[t, :kp], np.arange(kp))
+    score, tol = _oracle(q, k, w)
+    _check_rows(got, score, tol, pos[None, :] <= pos[:, None], topk)
+    zeros_c = [[x for x in r if x >= 0 and score[t, x] == 0] for t, r in enumerate(got)]
+    zeros_x = [[x for x in r if x >= 0 and score[t, x] == 0] for t, r in enumerate(ref)]
+    assert zeros_c == zeros_x
