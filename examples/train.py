@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="glm5-tiny",
                    help="preset name for jax_dsa.configs.get_config")
     g.add_argument("--implementation", default=None,
-                   help="sparse_mla implementation: xla, cpu, cuda; None: best available")
+                   help="implementation for every DSA op: xla, cpu, cuda (ops lacking it, or a call "
+                        "it cannot take, use their default order); None: each op's default")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype of the model (parameters stay float32); the GPU kernels "
                         "(--implementation cuda) take bfloat16")

@@ -69,7 +69,8 @@ def available() -> tuple[str, ...]:
 
 
 def require(name: str):
-    """Returns the loaded module ``_cpu`` or ``_cuda``; raises NotImplementedError with the reason."""
+    """Returns the loaded module (``_cpu``, ``_cuda``, ``_cuda_indexer``); raises
+    NotImplementedError with the reason it did not load."""
     if name in _MODULES:
         return _MODULES[name]
     raise NotImplementedError(

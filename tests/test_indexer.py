@@ -581,3 +581,13 @@ def test_visible_mask_bad_input():
         visible_mask(jnp.zeros(3), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="segment_ids"):
         visible_mask(jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32))
+
+
+@pytest.mark.parametrize("sm_scale", [0.0, -0.5, float("nan"), float("inf")])
+def test_kl_loss_refuses_a_scale_that_is_not_finite_and_positive(sm_scale):
+    s, d = 8, 16
+    x = np.ones((s, 2, d), np.float32)
+    with pytest.raises(ValueError, match="sm_scale"):
+        indexer_kl_loss(x, np.ones((s, d), np.float32), np.ones((s, 2), np.float32), x,
+                        np.ones((s, d), np.float32), sm_scale=sm_scale, q_positions=np.arange(s),
+                        kv_positions=np.arange(s))

@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jax_dsa.ops import registry
 from jax_dsa.ops.indexer import kl_loss, kl_loss_cuda, kl_loss_xla
 from jax_dsa.ops.indexer.config import KLCall
 from jax_dsa.ops.registry import Registry, Unavailable
@@ -320,7 +321,7 @@ def test_dense_form_is_refused(cuda_op):
 def _gpu_ready():
     if jax.default_backend() != "gpu":
         return "no GPU"
-    why = kl_loss_cuda.module_error() or kl_loss_cuda.device_error()
+    why = kl_loss_cuda.module_error() or registry.sm90_device_error()
     return why
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_dsa.ops import registry
 from jax_dsa import _native, indexer_topk
 from jax_dsa.ops.indexer import topk as topk_module
 from jax_dsa.ops.indexer import topk_cuda as tc
@@ -117,7 +118,7 @@ def test_device_rule(monkeypatch, cc, ok):
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
-    why = tc.device_error()
+    why = registry.sm90_device_error()
     assert (why is None) == ok, why
     if not ok:
         assert "SM90" in why and cc in why

@@ -217,3 +217,18 @@ def test_errors():
     with pytest.raises(ValueError, match="kv"):
         v4_indexer_kl_loss(x["iq"], x["ik"], x["iw"], x["q"], x["kv"][..., :3], lse,
                            sm_scale=SCALE, q_positions=x["q_pos"], kv_positions=x["kv_pos"])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_row_with_infinite_lse_adds_zero_not_nan(sparse):
+    """``attention_lse = +inf`` (what sparse_mla gives a row without a valid slot) makes that
+    row's target all zeros: its KL terms are 0, the loss and gradients stay finite."""
+    x = _inputs()
+    lse = _full_lse(x, sparse)
+    lse[0, 3] = np.inf
+    loss, grads = jax.value_and_grad(
+        lambda iq, ik, iw: _loss(dict(x, iq=iq, ik=ik, iw=iw), lse, sparse), argnums=(0, 1, 2)
+    )(*(jnp.asarray(x[k], jnp.float32) for k in ("iq", "ik", "iw")))
+    assert np.isfinite(float(loss))
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g)))

@@ -341,3 +341,16 @@ def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
     for line in text.splitlines():
         if "stablehlo.gather" in line and f"x{k}x" in line:
             assert "bf16" not in line and "f32" not in line, line
+
+
+def test_a_cuda_layer_falls_back_where_the_indexer_kernels_do_not_fit():
+    """implementation="cuda" on a layer: the dense KL form (warm-up) and an indexer the kernels are
+    not compiled for (index_head_dim 64) run their indexer ops on "xla" instead of failing."""
+    c = small_config("glm5", hidden_size=64, num_attention_heads=4, kv_lora_rank=512,
+                     qk_rope_head_dim=64, index_head_dim=64)
+    layer = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 64, c.hidden_size), jnp.bfloat16)
+    for mode in ("dense", "sparse"):
+        out, aux = jax.eval_shape(
+            lambda x, mode=mode: layer(x, attention_mode=mode, implementation="cuda"), x)
+        assert out.shape == x.shape and aux["indexer_loss"].shape == ()

@@ -7,6 +7,7 @@ import pytest
 from jax import enable_x64
 from jax.test_util import check_grads
 
+from jax_dsa.ops import registry
 from jax_dsa import sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 
@@ -174,8 +175,7 @@ def _cuda_runs_here():
     """Whether "cuda" is built and the default device is a GPU its kernels run on (SM90)."""
     if "cuda" not in sparse_mla_module.AVAILABLE or jax.default_backend() != "gpu":
         return False
-    from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
-    return sparse_mla_cuda.device_error() is None
+    return registry.sm90_device_error() is None
 
 
 # The host implementations, and "cuda" where it is built and a GPU it supports is present.

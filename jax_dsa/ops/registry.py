@@ -123,15 +123,17 @@ class Registry:
         return names
 
     def restrict(self, implementation):
-        """The part of a layer's ``implementation`` that this op has: the names it registers (a
-        name, a tuple, or ``None`` when it has none of them, i.e. its own default order)."""
+        """What this op runs for a layer's ``implementation``: the names it registers, in order,
+        then its own preference order for the platform (so a call the named implementation does
+        not support, e.g. the dense KL form on ``"cuda"``, falls back); ``None`` (its default
+        order) when it has none of them."""
         if implementation is None:
             return None
         names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
         known = tuple(n for n in names if n in self._impls)
         if not known:
             return None
-        return known[0] if len(known) == 1 else known
+        return tuple(dict.fromkeys(known + self.preference()))
 
     def choose(self, implementation, call) -> Implementation:
         """The implementation that runs ``call``.
@@ -170,6 +172,16 @@ def native_unavailable(name: str, module: str) -> Unavailable | None:
         return None
     why = _native.LOAD_ERRORS.get(module, "not built")
     return Unavailable(
-        f"implementation={name!r} is not available in this jax_dsa ({why}); available: "
-        f"{('xla',) + _native.available()}"
-    )
+        f"implementation={name!r} is not available in this jax_dsa (jax_dsa.{module}: {why})")
+
+
+def sm90_device_error() -> str | None:
+    """Why the default GPU cannot run these kernels (None if it can, or if there is no GPU:
+    e.g. lowering for CUDA on a host)."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if cc is None or not str(cc).startswith("9."):
+        return (f"implementation='cuda' runs on SM90 GPUs (H100/H200); this GPU has compute "
+                f"capability {cc} (SM100/SM103 kernels are not built; SM120 is unsupported)")
+    return None

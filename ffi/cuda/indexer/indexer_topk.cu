@@ -679,7 +679,7 @@ const ScoreVariantFns kScoreFns[kNumScoreVariants] = {
 };
 constexpr int kDefaultScoreVariant = 3;
 
-// The benchmark switches below are read once per process, never on the launch path.
+// The variant switches below are read once per process (benchmarks set them before the first call).
 int ScoreVariant() {
   static const int chosen = [] {
     const char* v = std::getenv("JAX_DSA_INDEXER_SCORE_VARIANT");
@@ -706,12 +706,11 @@ int TopkVariant() {
 
 // JAX_DSA_INDEXER_STAGES=score runs the score kernels alone (the indices are left unwritten):
 // benchmarks only, to time the two stages apart.
+// Read at each launch (one getenv, no allocation): benchmarks/gpu_indexer_topk.py switches it
+// between calls of one process.
 bool ScoreOnly() {
-  static const bool chosen = [] {
-    const char* v = std::getenv("JAX_DSA_INDEXER_STAGES");
-    return v && v[0] == 's';
-  }();
-  return chosen;
+  const char* v = std::getenv("JAX_DSA_INDEXER_STAGES");
+  return v && v[0] == 's';
 }
 
 std::atomic<uint64_t> g_prepared{0};  // bit per device ordinal (< 64)

@@ -4,7 +4,7 @@ Modules: :mod:`~jax_dsa.ops.indexer.topk` (``indexer_topk``),
 :mod:`~jax_dsa.ops.indexer.kl_loss` (``indexer_kl_loss``, DeepSeek V3.2 / GLM-5),
 :mod:`~jax_dsa.ops.indexer.v4_kl_loss` (DeepSeek V4's loss), the KL losses' shared custom VJP
 and sharding contract :mod:`~jax_dsa.ops.indexer.kl_vjp`, the shared pieces
-:mod:`~jax_dsa.ops.indexer.common`, and one module per implementation (``*_xla``).
+:mod:`~jax_dsa.ops.indexer.common`, and one module per implementation (``*_xla``, ``*_cuda``).
 Each op has its implementation registry (``TOPK_REGISTRY``, ``KL_REGISTRY``,
 ``V4_KL_REGISTRY``).
 """

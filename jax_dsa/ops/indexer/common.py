@@ -17,6 +17,7 @@ in the sequence length, never with ``S_q * S_kv``. The KL loss's block body is r
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -251,6 +252,8 @@ def check_kl_args(name, index_q, index_k, index_weights, q, kv, sm_scale, indice
             f"{name}: sm_scale must be a Python number (the main attention's softmax scale), "
             f"got {sm_scale!r}"
         )
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"{name}: sm_scale must be finite and > 0, got {sm_scale!r}")
     batch, s_q, h_i, s_kv = check_indexer(
         name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
     )

@@ -13,7 +13,7 @@ class TopkCall:
 
     Attributes:
       dtype: the promoted dtype of ``q``, ``k``, ``weights``. index_n_heads, index_head_dim: the
-      indexer's heads and width. s_q, s_kv: query and key counts. topk: keys per query.
+      indexer's heads and width. s_q, s_kv: query and key counts. topk: keys selected per query (``min(topk, S_kv)``).
       segments: whether segment ids were given.
     """
 

@@ -88,7 +88,8 @@ def indexer_kl_loss(
       A scalar: float32, or float64 when an input is float64 (under x64).
 
     Raises:
-      ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``block_q < 1``,
+      ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes (named by
+        argument), ``S_kv == 0``, ``block_q < 1``,
         only one of the segment ids given, an unknown implementation or one that does not
         support the call.
       NotImplementedError: the requested implementations are not built in this install.

@@ -32,8 +32,7 @@ import numpy as np
 
 from jax_dsa.ops.indexer.common import masked_log_softmax
 from jax_dsa.ops.indexer.config import KLCall, KLConfig
-from jax_dsa.ops.registry import Implementation, native_unavailable
-from jax_dsa.ops.sparse_mla.cuda import device_error
+from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 
 FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
 BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
@@ -76,7 +75,7 @@ def support_error(call: KLCall) -> str | None:
 def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
-    return support_error(call) or module_error() or device_error()
+    return support_error(call) or module_error() or sm90_device_error()
 
 
 # --------------------------------------------------------------------------------------------

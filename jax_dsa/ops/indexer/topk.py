@@ -103,13 +103,13 @@ def indexer_topk(
         block_q = default_block_q(s_q, h_i * s_kv)
     else:
         block_q = check_int(name, "block_q", block_q)
+    k_eff = min(topk, s_kv)  # selected keys; the rest is -1 padding
     impl = REGISTRY.choose(implementation, TopkCall(
-        jnp.dtype(acc_dtype(q, k, weights)), h_i, q.shape[-1], s_q, s_kv, topk,
+        jnp.dtype(acc_dtype(q, k, weights)), h_i, q.shape[-1], s_q, s_kv, k_eff,
         q_seg is not None))
 
     q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
     args = flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
-    k_eff = min(topk, s_kv)
     config = TopkConfig(k_eff, block_q, impl)
     out = partitioned_call("indexer_topk", lambda layout, *a: (impl.forward(*a, config),), args,
                            ROLES, RESULTS)[0]

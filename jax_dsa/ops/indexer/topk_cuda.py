@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
-from jax_dsa.ops.registry import Implementation, native_unavailable
-from jax_dsa.ops.sparse_mla.cuda import device_error
+from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 
 MODULE = "_cuda_indexer"
 TARGET = "jax_dsa_indexer_topk_cuda"
@@ -101,7 +100,7 @@ def supported(call: TopkCall) -> str | None:
     why = shape_error(call.dtype, call.index_n_heads, call.index_head_dim, call.s_kv, call.topk)
     if why:
         return why
-    return module_error() or device_error()
+    return module_error() or sm90_device_error()
 
 
 def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int):

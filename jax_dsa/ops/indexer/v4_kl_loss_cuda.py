@@ -36,8 +36,7 @@ from jax_dsa.ops.indexer import kl_loss_cuda
 from jax_dsa.ops.indexer.common import masked_log_softmax
 from jax_dsa.ops.indexer.config import KLCall, KLConfig
 from jax_dsa.ops.indexer.kl_loss_cuda import HEAD_GROUP, MAX_HEADS, MODULE
-from jax_dsa.ops.registry import Implementation, native_unavailable
-from jax_dsa.ops.sparse_mla.cuda import device_error
+from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.sharding.partition import head_logsumexp
 
 FWD_TARGET = "jax_dsa_indexer_v4_kl_fwd_cuda"
@@ -52,7 +51,7 @@ def module_error():
 def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
-    return kl_loss_cuda.support_error(call) or module_error() or device_error()
+    return kl_loss_cuda.support_error(call) or module_error() or sm90_device_error()
 
 
 # --------------------------------------------------------------------------------------------

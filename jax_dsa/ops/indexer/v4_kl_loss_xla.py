@@ -41,7 +41,8 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
             log_t = head_logsumexp(log_ph, 1, layout)  # over every head shard
             log_p = masked_log_softmax(jnp.where(support, log_t, 0), support)
             p = jnp.where(support, jnp.exp(log_p), 0)
-            kl = jnp.sum(jnp.where(support, p * (log_p - log_pi), 0), axis=-1)
+            # p = 0 terms are 0 (also where log p is -inf: a row whose lse is +inf).
+            kl = jnp.sum(jnp.where(support & (p > 0), p * (log_p - log_pi), 0), axis=-1)
             has = jnp.any(support, axis=-1)
             return jnp.sum(jnp.where(has, kl, 0)), jnp.sum(has.astype(jnp.int32))
 

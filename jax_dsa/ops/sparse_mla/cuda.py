@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa import kernel_spec
-from jax_dsa.ops.registry import Implementation, native_unavailable
+from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.ops.sparse_mla.config import Call, Config
 
 
@@ -181,18 +181,6 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
 
 
-def device_error() -> str | None:
-    """Why the default GPU cannot run these kernels (None if it can, or if there is no GPU:
-    e.g. lowering for CUDA on a host)."""
-    if jax.default_backend() != "gpu":
-        return None
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if cc is None or not str(cc).startswith("9."):
-        return (f"implementation='cuda' runs on SM90 GPUs (H100/H200); this GPU has compute "
-                f"capability {cc} (SM100/SM103 kernels are not built; SM120 is unsupported)")
-    return None
-
-
 def supported(call: Call) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the head width first (a property of the compiled
     kernels, told even where they are not built), then the build, then the other rules."""
@@ -200,7 +188,7 @@ def supported(call: Call) -> str | None:
         return f"implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {call.d_qk}"
     return (native_unavailable("cuda", "_cuda")
             or cuda_support_error(call.dtype, call.h, call.d_qk, call.d_v, call.topk)
-            or device_error())
+            or sm90_device_error())
 
 
 def _forward(q, kv, indices, sink, lengths, config: Config):

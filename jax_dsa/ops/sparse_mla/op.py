@@ -119,6 +119,9 @@ def sparse_mla(
             f"sparse_mla: return_max_logits must be a Python bool, got {return_max_logits!r}"
         )
     return_max_logits = bool(return_max_logits)
+    q, kv, indices = jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices)
+    attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
+    topk_length = None if topk_length is None else jnp.asarray(topk_length)
     impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]
