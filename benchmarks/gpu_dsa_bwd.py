@@ -27,8 +27,6 @@ import ctypes
 import datetime
 import json
 import os
-import subprocess
-import sys
 import time
 
 import jax
