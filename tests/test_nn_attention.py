@@ -321,7 +321,9 @@ def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
     from jax_dsa.ops.indexer import kl_loss_cuda, topk_cuda
     from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
 
-    monkeypatch.setattr(registry, "jax", types.SimpleNamespace(default_backend=lambda: "gpu"))
+    sm90 = types.SimpleNamespace(compute_capability="9.0")
+    monkeypatch.setattr(registry, "jax", types.SimpleNamespace(default_backend=lambda: "gpu",
+                                                               devices=lambda *a: [sm90]))
     k = 96  # distinctive: no other dim of the layer has this size
     c = small_config("glm5", hidden_size=64, num_attention_heads=4, kv_lora_rank=512,
                      qk_rope_head_dim=64, index_n_heads=8, index_head_dim=128, index_topk=k)
