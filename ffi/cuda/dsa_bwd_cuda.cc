@@ -20,6 +20,7 @@
 
 #include "cuda/dsa_bwd_launch.h"
 #include "cuda/sparse_mla_fwd_variants.h"
+#include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -36,26 +37,11 @@ ffi::Error Invalid(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_dsa sparse_mla cuda backward: " + msg);
 }
 
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
 // Modules are loaded here, outside any CUDA-graph capture (and, as a fallback, before the first
 // launch).
 ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
   cudaError_t e = LoadBwdKernels();
   return e == cudaSuccess ? ffi::Error::Success() : CudaError("loading the kernel modules", e);
-}
-
-template <typename B>
-bool Is(const B& b, std::initializer_list<int64_t> want) {
-  auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want) if (d[i++] != w) return false;
-  return true;
 }
 
 ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
@@ -67,15 +53,15 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
                     float sm_scale) {
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
-  if (!Is(kv, {s_kv, d})) return Invalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Shaped(kv, {s_kv, d})) return Invalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
   const std::string dv = std::to_string(kDsaBwdDv);
-  if (!Is(out, {s_q, h, kDsaBwdDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, " + dv + "]");
-  if (!Is(dout, {s_q, h, kDsaBwdDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, " + dv + "]");
-  if (!Is(lse, {s_q, h})) return Invalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
-  if (!Is(attn_sink, {h})) return Invalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
-  if (!Is(indices, {s_q, k})) return Invalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
-  if (!Is(topk_length, {s_q})) return Invalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
-  if (!Is(*dq, {s_q, h, d}) || !Is(*dkv, {s_kv, d}) || !Is(*d_sink, {h}))
+  if (!Shaped(out, {s_q, h, kDsaBwdDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, " + dv + "]");
+  if (!Shaped(dout, {s_q, h, kDsaBwdDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, " + dv + "]");
+  if (!Shaped(lse, {s_q, h})) return Invalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
+  if (!Shaped(attn_sink, {h})) return Invalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
+  if (!Shaped(indices, {s_q, k})) return Invalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Shaped(topk_length, {s_q})) return Invalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
+  if (!Shaped(*dq, {s_q, h, d}) || !Shaped(*dkv, {s_kv, d}) || !Shaped(*d_sink, {h}))
     return Invalid("results dq, dkv, d_attn_sink must be shaped like q, kv, attn_sink");
   if (s_q < 1 || s_kv < 1) return Invalid("S_q and S_kv must be >= 1");
   if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX)

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cuda/sparse_mla_fwd_launch.h"
+#include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,21 +34,6 @@ ffi::Error FwdInvalid(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_dsa sparse_mla cuda forward: " + msg);
 }
 
-std::string FwdDims(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
-template <typename B>
-bool Shaped(const B& b, std::initializer_list<int64_t> want) {
-  auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want) if (d[i++] != w) return false;
-  return true;
-}
-
 ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
   cudaError_t e = LoadFwdKernels();
   return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError("loading the kernel modules", e);
@@ -60,10 +46,10 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
                    float sm_scale) {
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
-  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + FwdDims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
-  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + FwdDims(indices.dimensions()) + " must be [S_q, K]");
-  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + FwdDims(topk_length.dimensions()) + " must be [S_q]");
-  if (!Shaped(attn_sink, {h})) return FwdInvalid("attn_sink " + FwdDims(attn_sink.dimensions()) + " must be [H]");
+  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
+  if (!Shaped(attn_sink, {h})) return FwdInvalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
   if (!Shaped(*out, {s_q, h, kSparseMlaFwdDv}) || !Shaped(*lse, {s_q, h}) || !Shaped(*max_logits, {s_q, h}))
     return FwdInvalid("results must be out [S_q, H, " + std::to_string(kSparseMlaFwdDv) +
                       "], lse [S_q, H], max_logits [S_q, H]");

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "kl_loss.h"
+#include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -22,22 +23,6 @@ namespace ffi = xla::ffi;
 namespace jax_dsa {
 namespace indexer_kl {
 namespace {
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
-template <typename B>
-bool Shaped(const B& b, std::initializer_list<int64_t> want) {
-  auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
 
 ffi::Error Invalid(const char* which, const std::string& msg) {
   return ffi::Error::InvalidArgument(std::string("jax_dsa indexer_kl_loss cuda ") + which + ": " +

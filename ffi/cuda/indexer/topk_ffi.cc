@@ -14,6 +14,7 @@
 #include <string>
 
 #include "indexer_topk.h"
+#include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,22 +26,6 @@ namespace {
 constexpr const char* kWho = "jax_dsa indexer_topk cuda: ";
 
 ffi::Error Invalid(const std::string& msg) { return ffi::Error::InvalidArgument(kWho + msg); }
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
-template <typename B>
-bool Shaped(const B& b, std::initializer_list<int64_t> want) {
-  auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
 
 ffi::Error TopkInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
   cudaError_t e = TopkPrepare();
