@@ -48,21 +48,41 @@ def timed(fn, *args, repeats):
             "min_ms": round(1e3 * min(runs), 3)}
 
 
-def layer_step(c, s, implementation, kl, repeats):
+def layer_step(c, s, implementation, kl, repeats, mode="sparse", frozen=False):
+    """The layer's forward+backward; ``frozen``: the dense warm-up's recipe (DeepSeek-V3.2 §2.1),
+    the gradient of the indexer loss in the indexer's parameters alone."""
     attn = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
     x = jax.random.normal(jax.random.key(1), (1, s, c.hidden_size), jnp.bfloat16)
 
-    @jax.jit
-    def step(p, x):
-        def loss(p, x):
-            y, aux = nnx.merge(graphdef, p, rest)(x, implementation=implementation,
-                                                  compute_indexer_loss=kl)
-            total = jnp.mean(y.astype(jnp.float32) ** 2)
-            return total + (aux["indexer_loss"] if kl else 0.0)
-        return jax.grad(loss, argnums=(0, 1))(p, x)
+    if frozen:
+        graphdef, index_p, params, rest = nnx.split(attn, nnx.All(nnx.Param, nnx.PathContains(
+            "indexer")), nnx.Param, ...)
 
-    return timed(step, params, x, repeats=repeats)
+        @jax.jit
+        def step(p, x):
+            def loss(ip):
+                _, aux = nnx.merge(graphdef, ip, p, rest)(x, attention_mode=mode,
+                                                          implementation=implementation)
+                return aux["indexer_loss"]
+            return jax.grad(loss)(index_p)
+    else:
+        @jax.jit
+        def step(p, x):
+            def loss(p, x):
+                y, aux = nnx.merge(graphdef, p, rest)(x, attention_mode=mode,
+                                                      implementation=implementation,
+                                                      compute_indexer_loss=kl)
+                total = jnp.mean(y.astype(jnp.float32) ** 2)
+                return total + (aux["indexer_loss"] if kl else 0.0)
+            return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    out = timed(step, params, x, repeats=repeats)
+    mem = step.lower(params, x).compile().memory_analysis()
+    if mem is not None:  # the compiled step's own buffers: temporaries, arguments, outputs
+        out["compiled_gib"] = round((mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                     + mem.output_size_in_bytes) / 2**30, 3)
+    return out
 
 
 def op_inputs(c, s):
@@ -94,13 +114,23 @@ def ops(c, s, implementation, repeats):
 
     out["sparse_mla_fwd_bwd"] = timed(attn, q, kv, repeats=repeats)
 
-    @jax.jit
-    def kl(iq, ik, w):
-        return jax.value_and_grad(lambda iq, ik, w: indexer_kl_loss(
-            iq, ik, w, q, kv, sm_scale=c.softmax_scale, q_positions=pos, kv_positions=pos,
-            indices=idx, implementation=implementation), argnums=(0, 1, 2))(iq, ik, w)
+    lse = jax.jit(lambda q, kv: sparse_mla(q, kv, idx, sm_scale=c.softmax_scale,
+                                           d_v=c.kv_lora_rank,
+                                           implementation=implementation)[1])(q, kv)
 
-    out["indexer_kl_loss_fwd_bwd"] = timed(kl, iq, ik, w, repeats=repeats)
+    def kl_step(given):
+        @jax.jit
+        def kl(iq, ik, w):
+            return jax.value_and_grad(lambda iq, ik, w: indexer_kl_loss(
+                iq, ik, w, q, kv, sm_scale=c.softmax_scale, q_positions=pos, kv_positions=pos,
+                indices=idx, attention_lse=lse if given else None,
+                implementation=implementation), argnums=(0, 1, 2))(iq, ik, w)
+        return kl
+
+    # as the layer calls it: with sparse_mla's lse (the target from the attention kernel)
+    out["indexer_kl_loss_fwd_bwd"] = timed(kl_step(True), iq, ik, w, repeats=repeats)
+    out["indexer_kl_loss_fwd_bwd_recomputed_target"] = timed(kl_step(False), iq, ik, w,
+                                                             repeats=repeats)
     ratio = (out["indexer_topk"]["median_ms"] + out["indexer_kl_loss_fwd_bwd"]["median_ms"]) / \
         out["sparse_mla_fwd_bwd"]["median_ms"]
     out["indexer_over_sparse_mla"] = round(ratio, 3)
@@ -111,6 +141,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="4096,8192,16384")
     p.add_argument("--layer-only", default="", help="sizes timed as a whole layer step only")
+    p.add_argument("--dense", default="", help="sizes timed as a dense-mode layer step (whole "
+                   "layer, and frozen: the indexer loss in the indexer's parameters)")
     p.add_argument("--implementation", default=None)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--commit", default=None)
@@ -134,6 +166,13 @@ def main(argv=None):
             row.update(ops(c, s, a.implementation, a.repeats))
         res["sizes"][str(s)] = row
         print(s, json.dumps(row), flush=True)
+    res["dense"] = {}
+    for s in [int(x) for x in a.dense.split(",") if x]:
+        row = {"frozen_indexer_only": layer_step(c, s, a.implementation, True, a.repeats,
+                                                 "dense", frozen=True),
+               "whole_layer": layer_step(c, s, a.implementation, True, a.repeats, "dense")}
+        res["dense"][str(s)] = row
+        print("dense", s, json.dumps(row), flush=True)
     text = json.dumps(res, indent=1)
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)

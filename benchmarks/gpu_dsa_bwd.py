@@ -85,6 +85,9 @@ def accuracy(rng):
         ("v4 H64 D512 K512 sink S_q77 S_kv1000 +topk_length", (), 77, 1000, 64, 512, 512, True, True, 512**-0.5),
         ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False, 512**-0.5),
         ("glue B2 H16 D576 K300 sink S_q70 S_kv400 +topk_length", (2,), 70, 400, 16, 576, 300, True, True, 0.07),
+        # past the last slot bucket: the wide variant (K a run-time size)
+        ("wide H64 D576 K4096 S_q100 S_kv6000 +topk_length", (), 100, 6000, 64, 576, 4096, False, True, 1 / 16),
+        ("wide H64 D512 K8320 sink S_q64 S_kv9000", (), 64, 9000, 64, 512, 8320, True, False, 512**-0.5),
     ]
     rows = []
     for name, batch, s_q, s_kv, h, d, k, sink, lengths, scale in cases:
@@ -160,7 +163,7 @@ def wall(f, args, iters, warmup=5):
     return float(np.median(t))
 
 
-def raw_bench(p, iters):
+def raw_bench(p, iters, wide=False):
     lib = ctypes.CDLL(_native.bench_library())  # raises with the reason if it is not built
     fn = lib.jax_dsa_dsa_bwd_raw_bench
     fn.restype = ctypes.c_int
@@ -176,7 +179,9 @@ def raw_bench(p, iters):
     n = iters + 5
     ev = (ctypes.c_float * n)()
     wl = (ctypes.c_double * n)()
-    rc = fn(*ptrs, ctypes.c_int(s), ctypes.c_int(s), ctypes.c_int(h), ctypes.c_int(d), ctypes.c_int(k),
+    # a negative K asks the library for the wide variant (any K) instead of K's bucket
+    rc = fn(*ptrs, ctypes.c_int(s), ctypes.c_int(s), ctypes.c_int(h), ctypes.c_int(d),
+            ctypes.c_int(-k if wide else k),
             ctypes.c_float(p["scale"]), ctypes.c_int(n), ev, wl)
     if rc != 0:
         raise RuntimeError(f"raw bench failed: {rc}")
@@ -216,6 +221,20 @@ def speed(rng, iters, sizes):
     return rows
 
 
+def wide_vs_bucket(rng, iters):
+    """The wide variant against the 2048 bucket on the same inputs, same process (GLM-5 dims)."""
+    p = prepared(rng, 16384, 64, 576, 2048, False)
+    bucket_ms, _, b_out = raw_bench(p, iters)
+    wide_ms, _, w_out = raw_bench(p, iters, wide=True)
+    row = dict(s=16384, h=64, d_qk=576, k=2048, bucket_event_ms=bucket_ms, wide_event_ms=wide_ms,
+               wide_over_bucket=wide_ms / bucket_ms,
+               wide_vs_bucket_rel_l2_dq_dkv=[
+                   rel_l2(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+                   for a, b in zip(w_out[:2], b_out[:2])])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def first_call(rng):
     p = prepared(rng, 4096, 64, 576, 2048, False)
     f, args = handler_call(p)
@@ -241,6 +260,7 @@ def main():
     ap.add_argument("--sizes", default="16384,32768")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-first-call", action="store_true")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print("devices", jax.devices(), "compute_capability", getattr(dev, "compute_capability", None),
@@ -252,8 +272,10 @@ def main():
                   cuda_graphs=os.environ.get("JAX_DSA_CUDA_GRAPHS", "1"),
                   flop_count="10 * S_q * K * H * D_qk per backward",
                   timing="median of --iters runs after 5 warm-ups")
-    result["first_call"] = first_call(rng)
+    if not args.skip_first_call:
+        result["first_call"] = first_call(rng)
     result["accuracy"] = [] if args.skip_accuracy else accuracy(rng)
+    result["wide_vs_bucket"] = wide_vs_bucket(rng, args.iters)
     if not args.skip_speed:
         result["speed"] = speed(rng, args.iters, [int(x) for x in args.sizes.split(",")])
     with open(args.out, "w") as f:

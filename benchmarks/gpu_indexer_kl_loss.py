@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
+from jax_dsa import sparse_mla  # noqa: E402
 from jax_dsa.ops.indexer import kl_loss, kl_loss_cuda, kl_loss_xla  # noqa: E402
 from jax_dsa.ops.registry import Registry  # noqa: E402
 from test_indexer_kl_loss_cuda import make_inputs, numpy_oracle, rel_l2  # noqa: E402
@@ -161,12 +162,12 @@ def timing_inputs(s, key):
     return iq, ik, iw, q, kv, pos, idx
 
 
-def loss_fn(impl, scale):
+def loss_fn(impl, scale, given_lse=False):
     f = op()
 
-    def loss(iq, ik, iw, q, kv, pos, idx):
+    def loss(iq, ik, iw, q, kv, pos, idx, lse=None):
         return f(iq, ik, iw, q, kv, sm_scale=scale, q_positions=pos, kv_positions=pos,
-                 indices=idx, implementation=impl)
+                 indices=idx, attention_lse=lse if given_lse else None, implementation=impl)
 
     return loss
 
@@ -193,6 +194,23 @@ def timing(rows, sizes, xla_at, n):
         r["bwd_kernel_ms"], _ = median_ms(bk, (iq, ik, iw, idx, ds), n)
         r["loss_ms"], _ = median_ms(jax.jit(loss), args, n)
         r["loss_and_grad_ms"], r["loss_and_grad_min_ms"] = median_ms(vg, args, n)
+        # The same loss with sparse_mla's lse passed in (attention_lse): the target from the
+        # attention kernel's target mode plus kernel A's score-only launch.
+        lse = jax.jit(lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=scale, d_v=512,
+                                                    implementation="cuda")[1])(q, kv, idx)
+        vgl = jax.jit(jax.value_and_grad(loss_fn("cuda", scale, True), argnums=(0, 1, 2)))
+        largs = args + (lse,)
+        r["given_lse_loss_and_grad_ms"], _ = median_ms(vgl, largs, n)
+        tk = jax.jit(lambda q, kv, idx, lse: kl_loss_cuda.target_kernel(q, kv, idx, lse,
+                                                                      sm_scale=scale))
+        r["given_lse_target_kernel_ms"], _ = median_ms(tk, (q, kv, idx, lse), n)
+        sk = jax.jit(kl_loss_cuda.score_kernel)
+        r["given_lse_score_kernel_ms"], _ = median_ms(sk, (iq, ik, iw, pos, pos, None, None,
+                                                           q, kv, idx), n)
+        got, want = vgl(*largs), vg(*args)
+        r["given_lse_vs_recomputed_loss_rel"] = abs(float(got[0]) - float(want[0])) / abs(
+            float(want[0]))
+        r["given_lse_vs_recomputed_grad_rel_l2"] = [rel_l2(a, b) for a, b in zip(got[1], want[1])]
         r["runs"] = n
         if s == xla_at:
             xg = jax.jit(jax.value_and_grad(loss_fn("xla", scale), argnums=(0, 1, 2)))

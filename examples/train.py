@@ -15,9 +15,11 @@ What it does:
   ``--dense-warmup-steps`` steps run dense attention with the dense KL loss of the lightning
   indexer, later steps run sparse attention (top-k from the indexer) with the KL restricted to the
   selected keys. Loss = ``lm_loss + --indexer-loss-coeff * indexer_loss``; the model stops the
-  gradient into the indexer's inputs, so the indexer loss trains only the indexer. (Unlike the
-  paper, the rest of the model is not frozen during the warm-up: here both stages train from
-  scratch.) Each attention mode compiles one train program.
+  gradient into the indexer's inputs, so the indexer loss trains only the indexer. By default the
+  rest of the model trains during the warm-up too (here both stages train from scratch);
+  ``--warmup-freeze`` follows the paper: in the warm-up only the indexer's parameters train, on
+  the indexer loss alone (the LM loss is reported, never differentiated, and the other
+  parameters stay bitwise unchanged). Each attention mode compiles one train program.
 * Optimizer: optax AdamW, linear warm-up then cosine decay, global-norm gradient clipping.
 * Device mesh: ``--mesh dp=2,cp=2,tp=2`` (any subset): data parallel over ``dp`` (batch),
   context parallel over ``cp`` (tokens; the DSA ops gather keys along the sequence), tensor
@@ -138,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of parameter init and data order")
     g.add_argument("--dense-warmup-steps", type=_nonnegative_int, default=20,
                    help="steps of dense attention and dense indexer KL before sparse training")
+    g.add_argument("--warmup-freeze", action="store_true",
+                   help="dense warm-up as in the DeepSeek-V3.2 paper: train only the indexer's "
+                        "parameters, on the indexer loss alone")
     g.add_argument("--indexer-loss-coeff", type=float, default=1.0,
                    help="weight of the indexer KL loss in the total loss")
     g.add_argument("--fixed-batch", action="store_true",
@@ -293,6 +298,18 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+# The lightning indexer's parameters (DSA and DeepSeek V4 layers alike): what --warmup-freeze
+# trains.
+INDEXER_PARAMS = nnx.PathContains("indexer")
+
+
+def indexer_mask(params) -> list[bool]:
+    """For each leaf of the pure parameter dict (``jax.tree.leaves`` order): is it one of the
+    indexer's parameters (:data:`INDEXER_PARAMS`)."""
+    return [INDEXER_PARAMS(tuple(getattr(k, "key", k) for k in path), x)
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
 def _forward(graphdef, params, rest, batch, *, attention_mode, implementation):
     model = nnx.merge(graphdef, params, rest)
     logits, aux = model(batch["tokens"], positions=batch["positions"],
@@ -306,11 +323,14 @@ class Steps:
     """The jitted train and eval steps of one model structure, optimizer and mesh: one compiled
     program per attention mode and kind (train, eval).
 
-    ``traces[kind][mode]`` counts the traces (= compilations) of each program.
+    ``traces[kind][mode]`` counts the traces (= compilations) of each program. With
+    ``warmup_freeze`` the dense train step updates only the indexer's parameters, from the
+    gradient of the indexer loss alone.
     """
 
     def __init__(self, graphdef, abstract_params, optimizer: OptimizerSettings, *,
-                 implementation, indexer_loss_coeff, param_sharding, batch_sharding):
+                 implementation, indexer_loss_coeff, param_sharding, batch_sharding,
+                 warmup_freeze=False):
         self.tx, self.schedule = make_optimizer(optimizer)
         tx = self.tx
         replicated = NamedSharding(batch_sharding.mesh, P())
@@ -322,12 +342,43 @@ class Steps:
         self.traces = {"train": dict.fromkeys(ATTENTION_MODES, 0),
                        "eval": dict.fromkeys(ATTENTION_MODES, 0)}
         self._train, self._eval = {}, {}
+        trainable = indexer_mask(abstract_params)
+
+        def frozen_train_step(params, rest, opt_state, batch, forward):
+            # DeepSeek-V3.2 §2.1: only the indexer trains, on the indexer loss. The gradient is
+            # taken w.r.t. the indexer's leaves alone, so nothing else (main attention, LM loss)
+            # is differentiated; the other leaves get zero gradients (their AdamW moments, zero
+            # at the start of the run, stay zero) and keep their values bitwise (no weight decay).
+            leaves, treedef = jax.tree.flatten(params)
+
+            def merged(train_leaves):
+                it = iter(train_leaves)
+                return treedef.unflatten([next(it) if m else x for x, m in zip(leaves, trainable)])
+
+            def loss_fn(train_leaves):
+                lm_loss, indexer_loss = forward(merged(train_leaves), rest, batch)
+                return indexer_loss, lm_loss
+
+            (indexer_loss, lm_loss), g = jax.value_and_grad(loss_fn, has_aux=True)(
+                [x for x, m in zip(leaves, trainable) if m])
+            g = iter(g)
+            grads = treedef.unflatten([next(g) if m else jnp.zeros_like(x)
+                                       for x, m in zip(leaves, trainable)])
+            updates, opt_state = tx.update(grads, opt_state, params)
+            new = jax.tree.leaves(optax.apply_updates(params, updates))
+            params = treedef.unflatten([n if m else x for n, x, m in zip(new, leaves, trainable)])
+            stats = {"loss": lm_loss, "indexer_loss": indexer_loss, "total_loss": indexer_loss,
+                     "grad_norm": optax.tree.norm(grads)}
+            return params, opt_state, stats
+
         for mode in ATTENTION_MODES:
             forward = functools.partial(_forward, graphdef, attention_mode=mode,
                                         implementation=implementation)
 
             def train_step(params, rest, opt_state, batch, _mode=mode, _forward=forward):
                 self.traces["train"][_mode] += 1
+                if warmup_freeze and _mode == "dense":
+                    return frozen_train_step(params, rest, opt_state, batch, _forward)
 
                 def loss_fn(params):
                     lm_loss, indexer_loss = _forward(params, rest, batch)
@@ -371,10 +422,10 @@ _STEPS_CACHE_SIZE = 4
 
 
 def get_steps(graphdef, params, optimizer: OptimizerSettings, mesh, *, implementation,
-              indexer_loss_coeff, param_sharding, batch_sharding) -> Steps:
+              indexer_loss_coeff, param_sharding, batch_sharding, warmup_freeze=False) -> Steps:
     """The :class:`Steps` for this setting, from a small in-process cache."""
     abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    key = (graphdef, optimizer, mesh, implementation, indexer_loss_coeff,
+    key = (graphdef, optimizer, mesh, implementation, indexer_loss_coeff, warmup_freeze,
            jax.tree.structure(abstract_params), tuple(jax.tree.leaves(abstract_params)),
            tuple(jax.tree.leaves(param_sharding)))
     if key not in _STEPS_CACHE:
@@ -383,7 +434,8 @@ def get_steps(graphdef, params, optimizer: OptimizerSettings, mesh, *, implement
         _STEPS_CACHE[key] = Steps(graphdef, abstract_params, optimizer,
                                   implementation=implementation,
                                   indexer_loss_coeff=indexer_loss_coeff,
-                                  param_sharding=param_sharding, batch_sharding=batch_sharding)
+                                  param_sharding=param_sharding, batch_sharding=batch_sharding,
+                                  warmup_freeze=warmup_freeze)
     return _STEPS_CACHE[key]
 
 
@@ -406,7 +458,8 @@ def _checkpoint_manager(directory) -> ocp.CheckpointManager:
 # Settings that must match for a resumed run to continue the same run.
 _RESUME_KEYS = ("model", "seq_len", "batch", "seed", "corpus_mb", "heldout_fraction", "data_root",
                 "fixed_batch", "steps", "lr", "warmup_steps", "end_lr_ratio", "weight_decay",
-                "b1", "b2", "grad_clip", "dense_warmup_steps", "indexer_loss_coeff")
+                "b1", "b2", "grad_clip", "dense_warmup_steps", "indexer_loss_coeff",
+                "warmup_freeze")
 
 
 def _save(manager, step, params, opt_state, meta):
@@ -512,7 +565,7 @@ def main(argv=None) -> dict:
     steps = get_steps(graphdef, params, OptimizerSettings.from_args(args), mesh,
                       implementation=args.implementation,
                       indexer_loss_coeff=args.indexer_loss_coeff, param_sharding=param_sharding,
-                      batch_sharding=batch_sharding)
+                      batch_sharding=batch_sharding, warmup_freeze=args.warmup_freeze)
     traces_at_start = {kind: dict(v) for kind, v in steps.traces.items()}
     schedule = steps.schedule
     opt_state = steps.init_opt_state(params)

@@ -36,7 +36,9 @@ DSA_BWD_SLOT_BUCKETS: tuple[int, ...] = (128, 256, 512, 640, 1024, 1152, 2048)
 """Slot widths K of the SM90 backward (the cuDNN frontend's DSA backward,
 https://github.com/NVIDIA/cudnn-frontend, compiled once per width as its ``max_topk``), ascending.
 Indices are padded with -1 to the smallest width >= K and ``topk_length`` stops each row at its
-valid count, so padding costs memory, not work. 2048: DSA's ``index_topk`` (GLM-5, DeepSeek
+valid count, so padding costs memory, not work. Past the last bucket one wide variant per
+(H, D_qk), with K a run-time size, takes any width unpadded (the kernel's ``max_topk`` only clamps
+``topk_length``): the dense warm-up's and V4's HCA wide rows (``128 + S / 128`` slots). 2048: DSA's ``index_topk`` (GLM-5, DeepSeek
 V3.2); 640 and 1152: a 128-row window plus the ``index_topk`` 512 or 1024 compressed slots of the
 V4-Flash and V4-Pro CSA layers; 128: window-only layers; 256, 512 and 1024 fill the ladder."""
 

@@ -48,6 +48,8 @@ def reference_kernels(cuda_op, monkeypatch):
     """The kernels' pure-JAX contracts in place of the FFI calls (runs anywhere)."""
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "forward", kl_loss_cuda.reference_forward_kernel)
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "backward", kl_loss_cuda.reference_backward_kernel)
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "score", kl_loss_cuda.reference_score_kernel)
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "target", kl_loss_cuda.reference_target_kernel)
     return cuda_op
 
 
@@ -180,16 +182,38 @@ def numpy_oracle(x, sm_scale, block=16):
     return kl_total / count, d_iq / count, d_ik / count, d_w / count
 
 
+def attention_lse(x, sm_scale):
+    """float64 natural-log softmax denominators ``[nb, s_q, h]`` of the main attention over each
+    row's support (+inf for rows without one): what sparse_mla returns for these slots."""
+    q, kv = np.asarray(x["q"], np.float64), np.asarray(x["kv"], np.float64)
+    idx, s_kv = x["idx"], kv.shape[1]
+    out = np.full(q.shape[:3], np.inf)
+    for b in range(q.shape[0]):
+        valid = (idx[b] >= 0) & (idx[b] < s_kv)
+        safe = np.where(valid, idx[b], 0)
+        sup = valid & (x["kv_pos"][b][safe] <= x["q_pos"][b][:, None])
+        if x["q_seg"] is not None:
+            sup &= x["kv_seg"][b][safe] == x["q_seg"][b][:, None]
+        logits = np.einsum("shd,skd->shk", q[b], kv[b][safe]) * sm_scale
+        logits = np.where(sup[:, None], logits, -np.inf)
+        m = logits.max(-1)
+        ok = np.isfinite(m)
+        mm = np.where(ok, m, 0)
+        z = np.exp(logits - mm[..., None]).sum(-1)
+        out[b] = np.where(ok, mm + np.log(np.where(ok, z, 1)), np.inf)
+    return out.astype(np.float32)
+
+
 def rel_l2(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
-def loss_and_grads(op, x, sm_scale, impl, jit=True):
+def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None):
     def loss(iq, ik, iw):
         return op(iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
                   kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
-                  indices=x["idx"], implementation=impl)
+                  indices=x["idx"], attention_lse=lse, implementation=impl)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if jit:
@@ -217,6 +241,29 @@ def test_glue_matches_xla(reference_kernels, nb, s_q, s_kv, h, d_qk, h_i, k):
     np.testing.assert_allclose(got_l, ref[0], rtol=2e-5)
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
         assert rel_l2(a, b) < 2e-5, name
+
+
+@pytest.mark.parametrize("impl", ["cuda", "xla"])
+def test_given_lse_matches_the_oracle(reference_kernels, impl):
+    """attention_lse (the attention's own denominators over the support): the same loss and
+    gradients as recomputing the softmax (the float64 oracle), on the cuda glue with the target
+    and score kernels' contracts, and on xla."""
+    x = make_inputs(np.random.default_rng(11), 2, 24, 40, 80, 512, 5, 37)
+    sm_scale = 512 ** -0.5
+    lse = attention_lse(x, sm_scale)
+    got_l, got_g = loss_and_grads(reference_kernels, x, sm_scale, impl, lse=lse)
+    ref = numpy_oracle(x, sm_scale)
+    np.testing.assert_allclose(got_l, ref[0], rtol=1e-4)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
+        assert rel_l2(a, b) < 1e-4, name
+
+
+def test_given_lse_is_checked(cuda_op):
+    x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6)
+    with pytest.raises(ValueError, match=r"attention_lse must be \[..., S_q, H\]"):
+        loss_and_grads(cuda_op, x, 0.1, "xla", lse=np.zeros((1, 8, 3), np.float32))
+    with pytest.raises(TypeError, match="attention_lse must be a float array"):
+        loss_and_grads(cuda_op, x, 0.1, "xla", lse=np.zeros((1, 8, 4), np.int32))
 
 
 def test_glue_without_any_support_is_zero(reference_kernels):
@@ -307,6 +354,28 @@ def test_grad_lowers_to_the_two_kernels(cuda_op, h, d_qk, h_i, k):
     assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
 
 
+def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
+    monkeypatch.setattr(kl_loss_cuda, "native_unavailable", lambda *a: None)
+    f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    sds = jax.ShapeDtypeStruct
+    nb, s_q, s_kv, h, d_qk, h_i, k = 1, 70, 90, 64, 576, 32, 2048
+    args = (sds((nb, s_q, h_i, 128), bf), sds((nb, s_kv, 128), bf), sds((nb, s_q, h_i), f32),
+            sds((nb, s_q, h, d_qk), bf), sds((nb, s_kv, d_qk), bf), sds((nb, s_q), i32),
+            sds((nb, s_kv), i32), sds((nb, s_q, k), i32), sds((nb, s_q, h), f32))
+
+    def loss(iq, ik, iw, q, kv, qp, kp, idx, lse):
+        return cuda_op(iq, ik, iw, q, kv, sm_scale=0.07, q_positions=qp, kv_positions=kp,
+                       indices=idx, attention_lse=lse, implementation="cuda")
+
+    text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    names = set(re.findall(r"stablehlo.custom_call @(\w+)", text))
+    assert {"jax_dsa_sparse_mla_target_cuda", kl_loss_cuda.SCORE_TARGET,
+            kl_loss_cuda.BWD_TARGET} <= names, names
+    assert kl_loss_cuda.FWD_TARGET not in names
+    assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
+
+
 def test_dense_form_is_refused(cuda_op):
     x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6)
     with pytest.raises(ValueError, match="sparse form only"):
@@ -347,6 +416,22 @@ def test_gpu_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segm
     x = make_inputs(np.random.default_rng(s_q + k), nb, s_q, s_kv, h, d_qk, h_i, k, segments)
     sm_scale = d_qk ** -0.5
     loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda")
+    ref = numpy_oracle(x, sm_scale)
+    assert abs(float(loss) - ref[0]) <= 1e-3 * abs(ref[0])
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:]):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        assert rel_l2(a, b) <= 1e-2, name
+
+
+@pytest.mark.parametrize("nb,s_q,s_kv,h,d_qk,h_i,k,segments", [
+    (1, 1024, 1024, 64, 576, 32, 2048, False),  # GLM-5 dims
+    (1, 600, 700, 80, 512, 64, 300, True),      # two head groups, packed documents
+])
+def test_gpu_given_lse_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segments):
+    """The target from the attention kernel's target mode (attention_lse given)."""
+    x = make_inputs(np.random.default_rng(s_q + k + 1), nb, s_q, s_kv, h, d_qk, h_i, k, segments)
+    sm_scale = d_qk ** -0.5
+    loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda", lse=attention_lse(x, sm_scale))
     ref = numpy_oracle(x, sm_scale)
     assert abs(float(loss) - ref[0]) <= 1e-3 * abs(ref[0])
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:]):

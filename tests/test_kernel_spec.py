@@ -86,10 +86,11 @@ def test_export_scripts_list_the_spec_variants():
     want = [f"jax_dsa_dsa_bwd_pre_h{h}.o" for h in ks.SPARSE_MLA_HEADS]
     want += [f"jax_dsa_dsa_bwd_post_d{d}.o" for d in ks.SPARSE_MLA_D_QK]
     want += [f"jax_dsa_dsa_bwd_main_h{h}_d{d}_k{k}.o" for h in ks.SPARSE_MLA_HEADS
-             for d in ks.SPARSE_MLA_D_QK for k in ks.DSA_BWD_SLOT_BUCKETS]
+             for d in ks.SPARSE_MLA_D_QK for k in ks.DSA_BWD_SLOT_BUCKETS + ("any",)]
     assert bwd == want
     fwd = _bare_python(str(EXPORTS / "export_sparse_mla_fwd.py"), "--list-outputs").split()
-    assert fwd == [f"jax_dsa_sparse_mla_fwd_h{h}_d{d}.o" for h in ks.SPARSE_MLA_HEADS
+    assert fwd == [f"jax_dsa_{form}_mla_{mode}_h{h}_d{d}.o" for mode in ("fwd", "target")
+                   for form in ("sparse", "dense") for h in ks.SPARSE_MLA_HEADS
                    for d in ks.SPARSE_MLA_D_QK]
     sm100 = _bare_python(str(EXPORTS / "export_dsa_bwd_sm100.py"), "--list-outputs").split()
     buckets = {int(f.rsplit("_k", 1)[1][:-2]) for f in sm100 if f.endswith(".o")}
@@ -112,11 +113,14 @@ def test_built_module_holds_exactly_the_spec_variants():
     fwd, bwd = got["forward"], got["backward"]
     assert [tuple(v) for v in fwd["variants"]] == [(h, d) for h in ks.SPARSE_MLA_HEADS
                                                    for d in ks.SPARSE_MLA_D_QK]
+    assert [tuple(v) for v in fwd["dense_variants"]] == [tuple(v) for v in fwd["variants"]]
+    assert [tuple(v) for v in fwd["target_variants"]] == [
+        (h, d, c) for c in (0, 1) for h in ks.SPARSE_MLA_HEADS for d in ks.SPARSE_MLA_D_QK]
     assert fwd["d_v"] == ks.SPARSE_MLA_D_V
     assert fwd["k_multiple"] == ks.SPARSE_MLA_FWD_K_MULTIPLE
     assert [tuple(v) for v in bwd["variants"]] == [
         (h, d, k) for h in ks.SPARSE_MLA_HEADS for d in ks.SPARSE_MLA_D_QK
-        for k in ks.DSA_BWD_SLOT_BUCKETS]
+        for k in ks.DSA_BWD_SLOT_BUCKETS + (0,)]  # 0: the wide variant (any K)
     assert list(bwd["pre_heads"]) == list(ks.SPARSE_MLA_HEADS)
     assert list(bwd["post_d_qk"]) == list(ks.SPARSE_MLA_D_QK)
     assert bwd["d_v"] == ks.SPARSE_MLA_D_V

@@ -173,8 +173,7 @@ def test_dense_mode_equals_dense_causal_attention(family):
     causal = np.where(np.arange(s)[None, :] <= np.arange(s)[:, None], np.arange(s)[None, :], -1)
     want, probs, sels = np_mla(np_params(layer), c, x, pos, np.broadcast_to(causal, (b, s, s)))
     assert rel_err(out, want) < 2e-5
-    # Slots: every visible key, ascending, -1 padded.
-    np.testing.assert_array_equal(np.asarray(aux["indices"][0]), causal)
+    assert aux["indices"] is None  # dense mode builds no slot list (dense_mla)
 
 
 def np_index_scores(layer, c, x, pos):
@@ -221,9 +220,11 @@ def test_indexer_loss_dense_and_sparse(family):
     x = rng.standard_normal((b, s, c.hidden_size)).astype(np.float32)
     pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
     scores, _ = np_index_scores(layer, c, x, pos)
+    causal = np.where(np.arange(s)[None, :] <= np.arange(s)[:, None], np.arange(s)[None, :], -1)
     for mode in ("dense", "sparse"):
         _, aux = run(layer, jnp.asarray(x), attention_mode=mode)
-        idx = np.asarray(aux["indices"])
+        # dense mode: every visible key (the layer builds no list)
+        idx = np.broadcast_to(causal, (b, s, s)) if mode == "dense" else np.asarray(aux["indices"])
         _, probs, sels = np_mla(np_params(layer), c, x, pos, idx)
         rows_p = [probs[bi][t] for bi in range(b) for t in range(s)]
         rows_s = [scores[bi, t, sels[bi][t]] for bi in range(b) for t in range(s)]
@@ -313,7 +314,8 @@ def _indexer_cuda_built():
 @pytest.mark.skipif(not _indexer_cuda_built(), reason="needs the _cuda and _cuda_indexer modules")
 def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
     """implementation=None on a GPU: the CUDA lowering of a sparse-mode training step calls the
-    attention kernels and the indexer's top-k and KL kernels, and XLA gathers no float
+    attention kernels (and the forward's target mode) and the indexer's top-k, score and KL
+    backward kernels, and XLA gathers no float
     ``[S, K, .]`` rows (checked on the host by pretending the default backend is a GPU)."""
     import types
 
@@ -337,9 +339,12 @@ def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower(
         lowering_platforms=("cuda",)).as_text()
+    # the KL target from the attention kernel's target mode (the layer passes sparse_mla's lse)
     for target in (sparse_mla_cuda.CUDA_FWD_TARGET, sparse_mla_cuda.CUDA_BWD_TARGET,
-                   topk_cuda.TARGET, kl_loss_cuda.FWD_TARGET, kl_loss_cuda.BWD_TARGET):
+                   topk_cuda.TARGET, sparse_mla_cuda.CUDA_TARGET_TARGET, kl_loss_cuda.SCORE_TARGET,
+                   kl_loss_cuda.BWD_TARGET):
         assert f"@{target}(" in text, target
+    assert f"@{kl_loss_cuda.FWD_TARGET}(" not in text
     for line in text.splitlines():
         if "stablehlo.gather" in line and f"x{k}x" in line:
             assert "bf16" not in line and "f32" not in line, line

@@ -260,3 +260,77 @@ def test_loss_falls_on_a_fixed_batch(straight_run):
     assert all(math.isfinite(v) for v in losses)
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.95 * losses[0], losses
+
+
+
+def test_warmup_freeze_trains_only_the_indexer(monkeypatch):
+    """--warmup-freeze (DeepSeek-V3.2 paper §2.1): two frozen dense warm-up steps change every
+    indexer parameter and leave every other one bitwise unchanged (no weight decay either); the
+    objective is the indexer loss alone and the step never runs the main attention's backward.
+    Runs the example's own train step (get_steps) on a packed batch, without the corpus,
+    evaluation or checkpoints."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from jax_dsa.configs import get_config
+    from jax_dsa.nn import DSALanguageModel
+    from jax_dsa.ops.dense_mla import op as dense_op
+    from jax_dsa.ops.dense_mla import xla as dense_xla
+    from jax_dsa.ops.registry import Implementation, Registry, always
+
+    backward_traces = []
+
+    def counting_backward(*args):
+        backward_traces.append(1)
+        return dense_xla.IMPLEMENTATION.backward(*args)
+
+    counting = Implementation("xla", always, dense_xla.IMPLEMENTATION.forward, counting_backward)
+    monkeypatch.setattr(dense_op, "REGISTRY",
+                        Registry("dense_mla", (counting,), preference={"default": ("xla",)}))
+
+    args = train.parse_args(COMMON + ["--warmup-freeze"])
+    assert args.warmup_freeze and not train.parse_args(COMMON).warmup_freeze
+    # built abstractly, random values from NumPy: no initialiser compiles
+    model = nnx.eval_shape(lambda: DSALanguageModel(get_config("glm5-tiny"), rngs=nnx.Rngs(0)))
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    mesh = train.make_mesh({"dp": 1})
+    param_sharding = train.param_shardings(mesh, param_state)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x, sh: train.global_array(
+            (rng.standard_normal(x.shape) * x.shape[-1] ** -0.5 + (x.ndim == 1)).astype(x.dtype),
+            sh),
+        nnx.to_pure_dict(param_state), param_sharding)
+    before = [np.array(x) for x in jax.tree.leaves(params)]
+    batch_sharding = NamedSharding(mesh, train.logical_to_mesh(("batch", "sequence"), mesh=mesh))
+    steps = train.get_steps(graphdef, params, train.OptimizerSettings.from_args(args), mesh,
+                            implementation=None, indexer_loss_coeff=1.0,
+                            param_sharding=param_sharding, batch_sharding=batch_sharding,
+                            warmup_freeze=True)
+    docs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (70, 150, 40)]
+    rows = text_data.pack_documents(docs, 128)
+    batch = train.place_batch(text_data.make_batch(rows, np.arange(2)), batch_sharding)
+    opt_state = steps.init_opt_state(params)
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            params, opt_state, stats = steps.train("dense", params, rest, opt_state, batch)
+            stats = jax.device_get(stats)
+            assert stats["total_loss"] == stats["indexer_loss"] > 0  # the LM loss is not in it
+            assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert steps.traces["train"] == {"dense": 1, "sparse": 0}
+    assert not backward_traces  # no gradient through the main attention
+    # (the LM loss's gradient would run it: the count is live)
+    jax.make_jaxpr(jax.grad(lambda p: train._forward(
+        graphdef, p, rest, batch, attention_mode="dense", implementation=None)[0]))(params)
+    assert backward_traces
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    n_indexer = 0
+    for path, x, y in zip(paths, before, jax.tree.leaves(params)):
+        y = np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        if "'indexer'" in path:
+            n_indexer += 1
+            assert not np.array_equal(x, y), path  # trained
+        else:
+            assert x.tobytes() == y.tobytes(), path  # frozen: bitwise unchanged
+    assert n_indexer == 2 * 5  # per layer: wq_b, wk, k_norm.{weight,bias}, weights_proj

@@ -5,7 +5,7 @@
 //
 // Contract (the public op's glue in jax_dsa/ops/sparse_mla prepares it): flat tokens, bf16,
 // H, D_qk and d_v as compiled (jax_dsa/kernel_spec.py: H 64 or 128, D_qk 512 or 576, d_v 512),
-// indices [S_q, K] with K a compiled slot bucket, valid slots a prefix of length
+// indices [S_q, K] (K a compiled slot bucket, else the wide variant), valid slots a prefix of length
 // topk_length >= 1, lse natural-log and sink-free (+inf for rows without valid slots),
 // attn_sink -inf for no sink. The workspace is an output sized by WorkspaceBytes (the
 // frontend's flash_attn_bwd_sm90_workspace_size). The benchmarks' raw-pointer entry is in
@@ -64,12 +64,13 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   if (!Shaped(*dq, {s_q, h, d}) || !Shaped(*dkv, {s_kv, d}) || !Shaped(*d_sink, {h}))
     return Invalid("results dq, dkv, d_attn_sink must be shaped like q, kv, attn_sink");
   if (s_q < 1 || s_kv < 1) return Invalid("S_q and S_kv must be >= 1");
-  if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX)
+  if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX ||
+      k > INT32_MAX / 2 || s_q * k > INT32_MAX)
     return Invalid("sequence too long for the 32-bit extents of the compiled kernels");
 
   const DsaBwdKernel* pre = FindBwd(kPreKernels, kNumPreKernels, int(h), -1, -1);
   const DsaBwdKernel* post = FindBwd(kPostKernels, kNumPostKernels, -1, int(d), -1);
-  const DsaBwdKernel* main = FindBwd(kMainKernels, kNumMainKernels, int(h), int(d), int(k));
+  const DsaBwdKernel* main = FindMainBwd(int(h), int(d), int(k));
   if (!pre || !post || !main) {
     return Invalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
                    ", K=" + std::to_string(k) + " (" + kDsaBwdSupported + ")");
@@ -103,6 +104,7 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   a.dkv_accum_n = int32_t(AccumElems(s_kv, d));
   a.sm_scale = sm_scale;
   a.stream = stream;
+  a.topk = int32_t(k);
 
   std::string what;
   cudaError_t e = LaunchBwd(a, int(h), pre, main, post, &what);
@@ -145,6 +147,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaInit, jax_dsa::Initialize,
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaNoGraph);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaInit);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDenseMlaFwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDenseMlaFwdCudaNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaTargetCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaTargetCudaNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDenseMlaTargetCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDenseMlaTargetCudaNoGraph);
 
 namespace nb = nanobind;
 
@@ -159,6 +167,17 @@ NB_MODULE(_cuda, m) {
     fwd["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
     fwd["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaSparseMlaFwdCuda : JaxDsaSparseMlaFwdCudaNoGraph));
     d["jax_dsa_sparse_mla_fwd_cuda"] = fwd;
+    nb::dict dense;
+    dense["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
+    dense["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaDenseMlaFwdCuda : JaxDsaDenseMlaFwdCudaNoGraph));
+    d["jax_dsa_dense_mla_fwd_cuda"] = dense;
+    nb::dict sparse_target, dense_target;
+    sparse_target["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
+    sparse_target["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaSparseMlaTargetCuda : JaxDsaSparseMlaTargetCudaNoGraph));
+    d["jax_dsa_sparse_mla_target_cuda"] = sparse_target;
+    dense_target["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
+    dense_target["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaDenseMlaTargetCuda : JaxDsaDenseMlaTargetCudaNoGraph));
+    d["jax_dsa_dense_mla_target_cuda"] = dense_target;
     return d;
   }, nb::arg("graphs") = true);
   m.def("workspace_bytes", &jax_dsa::WorkspaceBytes, nb::arg("s_q"), nb::arg("s_kv"), nb::arg("h"), nb::arg("d"),
@@ -174,8 +193,14 @@ NB_MODULE(_cuda, m) {
   m.def("compiled_variants", []() {
     nb::dict d, fwd, bwd;
     nb::list fwd_v, main_v, pre_h, post_d;
-    for (int i = 0; i < jax_dsa::kNumSparseMlaFwdKernels; ++i)
-      fwd_v.append(nb::make_tuple(jax_dsa::kSparseMlaFwdKernels[i].h, jax_dsa::kSparseMlaFwdKernels[i].d));
+    nb::list dense_v, target_v;
+    for (int i = 0; i < jax_dsa::kNumSparseMlaFwdKernels; ++i) {
+      const auto& k = jax_dsa::kSparseMlaFwdKernels[i];
+      if (!k.target) (k.contiguous ? dense_v : fwd_v).append(nb::make_tuple(k.h, k.d));
+      else target_v.append(nb::make_tuple(k.h, k.d, k.contiguous));
+    }
+    fwd["dense_variants"] = dense_v;
+    fwd["target_variants"] = target_v;
     fwd["variants"] = fwd_v;
     fwd["d_v"] = jax_dsa::kSparseMlaFwdDv;
     fwd["k_multiple"] = jax_dsa::kSparseMlaFwdKMultiple;
@@ -192,8 +217,10 @@ NB_MODULE(_cuda, m) {
     d["forward"] = fwd;
     d["backward"] = bwd;
     return d;
-  }, "What the dispatch tables hold: forward (H, D_qk) variants, d_v and K multiple; backward "
-     "(H, D_qk, slot bucket) main kernels, pre-pass heads, post-pass D_qk and d_v.");
+  }, "What the dispatch tables hold: forward (H, D_qk) variants (slot lists; dense_variants: "
+     "contiguous runs; target_variants: (H, D_qk, contiguous) of the indexer loss's target), d_v "
+     "and K multiple; backward (H, D_qk, slot bucket; 0 = any K) main "
+     "kernels, pre-pass heads, post-pass D_qk and d_v.");
   m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("ARCH") = "sm_90a";
 }

@@ -12,6 +12,11 @@ const DsaBwdKernel* FindBwd(const DsaBwdKernel* table, int n, int h, int d, int 
   return nullptr;
 }
 
+const DsaBwdKernel* FindMainBwd(int h, int d, int k) {
+  const DsaBwdKernel* exact = FindBwd(kMainKernels, kNumMainKernels, h, d, k);
+  return exact ? exact : FindBwd(kMainKernels, kNumMainKernels, h, d, 0);
+}
+
 namespace {
 std::once_flag g_load_once;
 cudaError_t g_load_error = cudaSuccess;

@@ -31,6 +31,9 @@ inline int64_t WorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t d) {
 // The first entry of `table` matching h, d, k (a negative key matches any), or nullptr.
 const DsaBwdKernel* FindBwd(const DsaBwdKernel* table, int n, int h, int d, int k);
 
+// The main kernel for K slots: the slot bucket of exactly K, else the wide variant (any K).
+const DsaBwdKernel* FindMainBwd(int h, int d, int k);
+
 // Loads every kernel module on every visible device, once per process (later calls return the
 // first call's result). The handler calls it from the INITIALIZE stage, outside graph capture.
 cudaError_t LoadBwdKernels();

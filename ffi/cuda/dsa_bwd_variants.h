@@ -27,10 +27,11 @@ struct DsaBwdLaunch {
   int32_t s_q, s_kv, s_q_rounded, dkv_accum_n;
   float sm_scale;
   cudaStream_t stream;
+  int32_t topk = 0;         // K, the index row stride (read by the wide variant only)
 };
 
 struct DsaBwdKernel {
-  int h, d, topk;  // the key: pre uses h, post d, main all three
+  int h, d, topk;  // the key: pre uses h, post d, main all three (topk 0: the wide variant)
   const char* name;
   void (*load)();
   int32_t (*run)(const DsaBwdLaunch&);

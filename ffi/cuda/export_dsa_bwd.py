@@ -10,7 +10,8 @@ on, with a uniform launcher per variant.
 Variants (from ``jax_dsa/kernel_spec.py``, which the public op's glue reads too):
   * dtype bfloat16; heads ``SPARSE_MLA_HEADS`` (the public op pads fewer heads); D_qk
     ``SPARSE_MLA_D_QK``, d_v ``SPARSE_MLA_D_V``; per-row valid counts (``topk_length``) on;
-  * slot widths by the ladder ``DSA_BWD_SLOT_BUCKETS`` (indices are padded with -1 to the bucket).
+  * slot widths by the ladder ``DSA_BWD_SLOT_BUCKETS`` (indices are padded with -1 to the bucket),
+    and one wide variant per (H, D_qk) with K a run-time size, for K past the last bucket.
 
 Tensor layouts follow ``_interface_sm90.py`` of the same release (flat tokens as batch 1).
 
@@ -40,6 +41,8 @@ HEAD_DIMS = SPEC["SPARSE_MLA_D_QK"]
 D_V = SPEC["SPARSE_MLA_D_V"]
 TILE_M = 64
 TILE_N = 64
+# The wide variant's clamp of topk_length (K is a run-time size there; the handler checks K fits).
+WIDE_MAX_TOPK = 1 << 30
 FRONTEND_VERSION = "1.32.0"
 
 
@@ -105,12 +108,15 @@ def compile_one(kind: str, h: int, d: int, k: int, out_dir: str, arch: str) -> s
         compiled = cute.compile(obj, o, do, dpsum, lse, lse2, sink, dsink, None, None, None,
                                 fake_stream(), options=opts)
     elif kind == "main":
-        prefix = f"jax_dsa_dsa_bwd_main_h{h}_d{d}_k{k}"
+        prefix = _prefix(kind, h, d, k)
+        # k == 0: the wide variant, K a run-time size (max_topk only clamps each row's
+        # topk_length in this kernel, so one compile serves every width past the buckets)
+        k_dim = cute.sym_int32(symbol="K") if k == 0 else k
         acc_n = cute.sym_int32(divisibility=TILE_N * 32, symbol="dkv_accum_n")
         obj = m.FlashAttentionDSABackwardSm90(
             bf, d, D_V, h, tile_m=TILE_M, tile_n=TILE_N, KV_stage=1, PdS_stage=1,
             SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False, num_threads=256,
-            have_topk_length=True, max_topk=k)
+            have_topk_length=True, max_topk=WIDE_MAX_TOPK if k == 0 else k)
         q = fake(bf, (1, s_q, h, d), (bstride(), h * d, d, 1), assumed_align=16)
         kv = fake(bf, (1, s_kv, 1, d), (bstride(), d, d, 1), assumed_align=16)
         do = fake(bf, (1, s_q, h, D_V), (bstride(), h * D_V, D_V, 1), assumed_align=16)
@@ -118,7 +124,7 @@ def compile_one(kind: str, h: int, d: int, k: int, out_dir: str, arch: str) -> s
         dpsum = fake(f32, (1, s_q_r, h), (bstride(), h, 1), assumed_align=16)
         dq = fake(bf, (1, s_q, h, d), (bstride(), h * d, d, 1), assumed_align=16)
         dkv_acc = fake(f32, (1, 1, acc_n), (bstride(), bstride(), 1), assumed_align=16)
-        topk = fake(i32, (1, s_q, k), (bstride(), k, 1), assumed_align=16)
+        topk = fake(i32, (1, s_q, k_dim), (bstride(), k_dim, 1), assumed_align=16)
         tlen = fake(i32, (1, s_q), (bstride(), 1), assumed_align=16)
         compiled = cute.compile(obj, q, kv, do, lse2, dpsum, dq, dkv_acc, topk, tlen,
                                 cutlass.Float32(1.0), fake_stream(), options=opts)
@@ -147,7 +153,7 @@ def _job(args):
 def variants():
     jobs = [("pre", h, D_V, 0) for h in HEADS]
     jobs += [("post", 0, d, 0) for d in HEAD_DIMS]
-    jobs += [("main", h, d, k) for h in HEADS for d in HEAD_DIMS for k in SLOT_BUCKETS]
+    jobs += [("main", h, d, k) for h in HEADS for d in HEAD_DIMS for k in SLOT_BUCKETS + (0,)]
     return jobs
 
 
@@ -177,6 +183,12 @@ def write_table(out_dir: str, jobs) -> None:
   return cute_dsl_{p}_wrapper(&g_{p}, &o, &dout, &dpsum, &lse, &lse2, &sink, &dsink, a.stream);
 }}""")
         elif kind == "main":
+            if k:
+                idx_decl = (f"{p}_Tensor_mTopkIdxs_t idx{{JAX_DSA_PTR(a.indices), {{a.s_q}}, "
+                            f"{{int64_t(a.s_q) * {k}}}}};")
+            else:  # the wide variant: K is a run-time extent and row stride
+                idx_decl = (f"{p}_Tensor_mTopkIdxs_t idx{{JAX_DSA_PTR(a.indices), {{a.s_q, a.topk}}, "
+                            f"{{int64_t(a.s_q) * a.topk, int64_t(a.topk)}}}};")
             lines.append(f"""int32_t Run_{p}(const DsaBwdLaunch& a) {{
   {p}_Tensor_mQ_t q{{JAX_DSA_PTR(a.q), {{a.s_q}}, {{int64_t(a.s_q) * {h * d}}}}};
   {p}_Tensor_mKV_t kv{{JAX_DSA_PTR(a.kv), {{a.s_kv}}, {{int64_t(a.s_kv) * {d}}}}};
@@ -185,7 +197,7 @@ def write_table(out_dir: str, jobs) -> None:
   {p}_Tensor_mdPsum_t dpsum{{JAX_DSA_PTR(a.dpsum), {{a.s_q_rounded}}, {{int64_t(a.s_q_rounded) * {h}}}}};
   {p}_Tensor_mdQ_t dq{{JAX_DSA_PTR(a.dq), {{a.s_q}}, {{int64_t(a.s_q) * {h * d}}}}};
   {p}_Tensor_mdKV_t acc{{JAX_DSA_PTR(a.dkv_accum), {{a.dkv_accum_n}}, {{int64_t(a.dkv_accum_n), int64_t(a.dkv_accum_n)}}}};
-  {p}_Tensor_mTopkIdxs_t idx{{JAX_DSA_PTR(a.indices), {{a.s_q}}, {{int64_t(a.s_q) * {k}}}}};
+  {idx_decl}
   {p}_Tensor_mTopkLength_t len{{JAX_DSA_PTR(a.topk_length), {{a.s_q}}, {{int64_t(a.s_q)}}}};
   return cute_dsl_{p}_wrapper(&g_{p}, &q, &kv, &dout, &lse2, &dpsum, &dq, &acc, &idx, &len,
                               a.sm_scale, a.stream);
@@ -207,7 +219,7 @@ def write_table(out_dir: str, jobs) -> None:
         lines.append(f"const int kNum{kind.capitalize()}Kernels = {len(entries)};")
     lines.append(f"const int kDsaBwdDv = {D_V};")
     lines.append(f'const char kDsaBwdSupported[] = "H must be {words(HEADS)}, D_qk '
-                 f'{words(HEAD_DIMS)}, K a slot bucket";')
+                 f'{words(HEAD_DIMS)}";')
     lines += ["", "}  // namespace jax_dsa", ""]
     with open(os.path.join(out_dir, "dsa_bwd_variants.cc"), "w") as f:
         f.write("\n".join(lines))
@@ -221,7 +233,7 @@ def words(values) -> str:
 
 def _prefix(kind, h, d, k):
     return {"pre": f"jax_dsa_dsa_bwd_pre_h{h}", "post": f"jax_dsa_dsa_bwd_post_d{d}",
-            "main": f"jax_dsa_dsa_bwd_main_h{h}_d{d}_k{k}"}[kind]
+            "main": f"jax_dsa_dsa_bwd_main_h{h}_d{d}_k{k if k else 'any'}"}[kind]
 
 
 def main():

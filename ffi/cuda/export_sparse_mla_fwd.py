@@ -8,7 +8,10 @@ dispatch table the FFI handler (``sparse_mla_fwd_cuda.cc``) reads. No GPU is nee
 Variants (from ``jax_dsa/kernel_spec.py``, which the public op's glue reads too): heads
 ``SPARSE_MLA_HEADS`` (the public op pads fewer heads), D_qk ``SPARSE_MLA_D_QK``, d_v
 ``SPARSE_MLA_D_V`` (checked against the kernel's own); K a multiple of
-``SPARSE_MLA_FWD_K_MULTIPLE`` (a run-time size, checked by the handler).
+``SPARSE_MLA_FWD_K_MULTIPLE`` (a run-time size, checked by the handler). Each in two modes: slot
+lists (``sparse_mla``) and contiguous runs of kv rows (``dense_mla``'s causal dense attention),
+and for each the indexer loss's target mode (per-slot head sums of the attention probabilities
+from a given lse; ``SparseMlaFwdSm90``'s docstring).
 
     python ffi/cuda/export_sparse_mla_fwd.py --out-dir DIR [--jobs N]
     python ffi/cuda/export_sparse_mla_fwd.py --spec-stamp FILE   # the kernel_spec values it reads
@@ -46,11 +49,12 @@ def _load_runtime():
     return os.path.join(root, "cu13")
 
 
-def prefix(h: int, d: int) -> str:
-    return f"jax_dsa_sparse_mla_fwd_h{h}_d{d}"
+def prefix(h: int, d: int, contiguous: bool = False, target: bool = False) -> str:
+    return (f"jax_dsa_{'dense' if contiguous else 'sparse'}_mla_{'target' if target else 'fwd'}"
+            f"_h{h}_d{d}")
 
 
-def compile_one(h: int, d: int, out_dir: str, arch: str) -> str:
+def compile_one(h: int, d: int, contiguous: bool, target: bool, out_dir: str, arch: str) -> str:
     _load_runtime()
     import cutlass
     import cutlass.cute as cute
@@ -73,14 +77,19 @@ def compile_one(h: int, d: int, out_dir: str, arch: str) -> str:
     idx = fake(i32, (s_q, k), (k, 1), assumed_align=4)
     length = fake(i32, (s_q,), (1,), assumed_align=4)
     sink = fake(f32, (h,), (1,), assumed_align=4)
-    out = fake(bf, (s_q, h, D_V), (h * D_V, D_V, 1), assumed_align=16)
+    if target:  # the target's mass [S_q * H / 64, K_out] float32 in place of the output
+        tiles = cute.sym_int32(symbol="tiles")
+        k_out = cute.sym_int32(symbol="K_out")
+        out = fake(f32, (tiles, k_out), (k_out, 1), assumed_align=4)
+    else:
+        out = fake(bf, (s_q, h, D_V), (h * D_V, D_V, 1), assumed_align=16)
     lse = fake(f32, (s_q, h), (h, 1), assumed_align=4)
     mx = fake(f32, (s_q, h), (h, 1), assumed_align=4)
     # sm_scale and n_ctas (the persistent grid) are run-time scalars
-    compiled = cute.compile(SparseMlaFwdSm90(h, d), q, kv, idx, length, sink, out, lse, mx,
+    compiled = cute.compile(SparseMlaFwdSm90(h, d, contiguous, target), q, kv, idx, length, sink, out, lse, mx,
                             cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream(),
                             options=f"--gpu-arch {arch}")
-    p = prefix(h, d)
+    p = prefix(h, d, contiguous, target)
     compiled.export_to_c(out_dir, p, p)
     return p
 
@@ -91,7 +100,10 @@ def _job(args):
 
 
 def variants():
-    return [(h, d) for h in HEADS for d in HEAD_DIMS]
+    """(H, D_qk, contiguous, target): attention over slot lists (sparse_mla), over contiguous
+    runs (dense_mla), then the indexer loss's target over each."""
+    return [(h, d, c, tg) for tg in (False, True) for c in (False, True) for h in HEADS
+            for d in HEAD_DIMS]
 
 
 def words(values) -> str:
@@ -106,11 +118,12 @@ def write_table(out_dir: str) -> None:
         '#include "cuda/sparse_mla_fwd_variants.h"',
         "#define JAX_DSA_PTR(x) const_cast<void*>(static_cast<const void*>(x))",
     ]
-    for h, d in variants():
-        lines.append(f'#include "{prefix(h, d)}.h"')
+    for v in variants():
+        lines.append(f'#include "{prefix(*v)}.h"')
     lines += ["", "namespace jax_dsa {", "namespace {"]
-    for h, d in variants():
-        p = prefix(h, d)
+    for h, d, c, tg in variants():
+        p = prefix(h, d, c, tg)
+        out_init = "{a.out_rows, a.out_cols}, {int64_t(a.out_cols)}" if tg else "{a.s_q}"
         lines.append(f"{p}_Kernel_Module_t g_{p};")
         lines.append(f"void Load_{p}() {{ {p}_Kernel_Module_Load(&g_{p}); }}")
         lines.append(f"""int32_t Run_{p}(const SparseMlaFwdLaunch& a) {{
@@ -119,16 +132,16 @@ def write_table(out_dir: str) -> None:
   {p}_Tensor_mIdx_t idx{{JAX_DSA_PTR(a.indices), {{a.s_q, a.topk}}, {{int64_t(a.topk)}}}};
   {p}_Tensor_mLen_t len{{JAX_DSA_PTR(a.topk_length), {{a.s_q}}}};
   {p}_Tensor_mSink_t sink{{JAX_DSA_PTR(a.attn_sink)}};
-  {p}_Tensor_mOut_t out{{JAX_DSA_PTR(a.out), {{a.s_q}}}};
+  {p}_Tensor_mOut_t out{{JAX_DSA_PTR(a.out), {out_init}}};
   {p}_Tensor_mLse_t lse{{JAX_DSA_PTR(a.lse), {{a.s_q}}}};
   {p}_Tensor_mMax_t mx{{JAX_DSA_PTR(a.max_logits), {{a.s_q}}}};
   return cute_dsl_{p}_wrapper(&g_{p}, &q, &kv, &idx, &len, &sink, &out, &lse, &mx, a.sm_scale,
                               a.num_ctas, a.stream);
 }}""")
     lines += ["}  // namespace", "", "const SparseMlaFwdKernel kSparseMlaFwdKernels[] = {"]
-    for h, d in variants():
-        p = prefix(h, d)
-        lines.append(f'    {{{h}, {d}, "{p}", &Load_{p}, &Run_{p}}},')
+    for h, d, c, tg in variants():
+        p = prefix(h, d, c, tg)
+        lines.append(f'    {{{h}, {d}, {int(c)}, {int(tg)}, "{p}", &Load_{p}, &Run_{p}}},')
     lines += ["};", f"const int kNumSparseMlaFwdKernels = {len(variants())};",
               f"const int kSparseMlaFwdDv = {D_V};",
               f"const int kSparseMlaFwdKMultiple = {K_MULTIPLE};",
@@ -153,14 +166,14 @@ def main():
         kernel_spec_loader.write_stamp(args.spec_stamp, SPEC)
         return
     if args.list_outputs:
-        for h, d in variants():
-            print(prefix(h, d) + ".o")
+        for v in variants():
+            print(prefix(*v) + ".o")
         return
     if not args.out_dir:
         ap.error("--out-dir is required")
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
-    work = [(h, d, args.out_dir, args.arch) for h, d in variants()]
+    work = [(*v, args.out_dir, args.arch) for v in variants()]
     ctx = __import__("multiprocessing").get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         for p, dt in pool.map(_job, work):

@@ -39,11 +39,13 @@ ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary
   return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError("loading the kernel modules", e);
 }
 
-ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
-                   ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
-                   ffi::Buffer<ffi::F32, 1> attn_sink, ffi::ResultBuffer<ffi::BF16, 3> out,
-                   ffi::ResultBuffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> max_logits,
-                   float sm_scale) {
+// contiguous: the dense mode (jax_dsa_dense_mla_fwd_cuda): query s's slots are the kv rows
+// indices[s, 0] + j for j < topk_length[s] (the glue in jax_dsa/ops/dense_mla makes the runs).
+ffi::Error ForwardImpl(bool contiguous, cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
+                       ffi::Buffer<ffi::BF16, 2> kv, ffi::Buffer<ffi::S32, 2> indices,
+                       ffi::Buffer<ffi::S32, 1> topk_length, ffi::Buffer<ffi::F32, 1> attn_sink,
+                       ffi::ResultBuffer<ffi::BF16, 3> out, ffi::ResultBuffer<ffi::F32, 2> lse,
+                       ffi::ResultBuffer<ffi::F32, 2> max_logits, float sm_scale) {
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
   if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
@@ -61,7 +63,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
   // (the kernel's tile walk adds the grid size to a tile index)
   if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
     return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
-  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d));
+  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d), contiguous);
   if (!kern)
     return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
                       " (" + kSparseMlaFwdSupported + ")");
@@ -73,6 +75,80 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
   std::string what;
   cudaError_t e = LaunchFwd(kern, a, &what);
   return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError(what, e);
+}
+
+ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                   ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                   ffi::Buffer<ffi::F32, 1> attn_sink, ffi::ResultBuffer<ffi::BF16, 3> out,
+                   ffi::ResultBuffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> max_logits,
+                   float sm_scale) {
+  return ForwardImpl(false, stream, q, kv, indices, topk_length, attn_sink, out, lse, max_logits,
+                     sm_scale);
+}
+
+ffi::Error DenseForward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                        ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                        ffi::Buffer<ffi::F32, 1> attn_sink, ffi::ResultBuffer<ffi::BF16, 3> out,
+                        ffi::ResultBuffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> max_logits,
+                        float sm_scale) {
+  return ForwardImpl(true, stream, q, kv, indices, topk_length, attn_sink, out, lse, max_logits,
+                     sm_scale);
+}
+
+// The indexer loss's target (jax_dsa_sparse_mla_target_cuda / jax_dsa_dense_mla_target_cuda):
+// the same slots as the forward (slot lists, or contiguous runs), lse [S_q, H] an input (natural
+// log, sink-free, +inf for no slot), mass [S_q * H / 64, K_out] float32 with
+// mass[s * H / 64 + g, j] = sum over the 64 heads of group g of exp(sm_scale * q . kv - lse) for
+// the valid slots j < topk_length[s] (0 for invalid ones; columns past topk_length unwritten).
+ffi::Error TargetImpl(bool contiguous, cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
+                      ffi::Buffer<ffi::BF16, 2> kv, ffi::Buffer<ffi::S32, 2> indices,
+                      ffi::Buffer<ffi::S32, 1> topk_length, ffi::Buffer<ffi::F32, 2> lse,
+                      ffi::ResultBuffer<ffi::F32, 2> mass, float sm_scale) {
+  const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
+  const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
+  const int64_t rows = mass->dimensions()[0], cols = mass->dimensions()[1];
+  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
+  if (!Shaped(lse, {s_q, h})) return FwdInvalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
+  if (h % 64 != 0 || rows != s_q * (h / 64) || (!contiguous && cols != k))
+    return FwdInvalid("mass " + Dims(mass->dimensions()) + " must be [S_q * H / 64, " +
+                      (contiguous ? std::string("K_out") : std::string("K")) + "]");
+  if (s_q == 0 || cols == 0) return ffi::Error::Success();
+  if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
+  if (k % kSparseMlaFwdKMultiple != 0)
+    return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of " +
+                      std::to_string(kSparseMlaFwdKMultiple) + " (pad indices with -1)");
+  if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || s_q * k > INT32_MAX ||
+      cols > INT32_MAX || rows * cols > INT32_MAX)
+    return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
+  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d), contiguous, true);
+  if (!kern)
+    return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
+                      " (" + kSparseMlaFwdSupported + ")");
+  if (cudaError_t e = LoadFwdKernels(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+  // lse is read, not written, in target mode; attn_sink and max_logits are not touched
+  float* lse_in = const_cast<float*>(lse.typed_data());
+  SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
+                       lse_in, mass->untyped_data(), lse_in, lse_in, int32_t(s_q), int32_t(s_kv),
+                       int32_t(k), sm_scale, stream, NumSms(), int32_t(rows), int32_t(cols)};
+  std::string what;
+  cudaError_t e = LaunchFwd(kern, a, &what);
+  return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError(what, e);
+}
+
+ffi::Error SparseTarget(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                        ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                        ffi::Buffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> mass,
+                        float sm_scale) {
+  return TargetImpl(false, stream, q, kv, indices, topk_length, lse, mass, sm_scale);
+}
+
+ffi::Error DenseTarget(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                       ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                       ffi::Buffer<ffi::F32, 2> lse, ffi::ResultBuffer<ffi::F32, 2> mass,
+                       float sm_scale) {
+  return TargetImpl(true, stream, q, kv, indices, topk_length, lse, mass, sm_scale);
 }
 
 }  // namespace
@@ -95,6 +171,26 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCuda, jax_dsa::Forward, JAX_DSA_FWD_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaNoGraph, jax_dsa::Forward, JAX_DSA_FWD_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDenseMlaFwdCuda, jax_dsa::DenseForward, JAX_DSA_FWD_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDenseMlaFwdCudaNoGraph, jax_dsa::DenseForward, JAX_DSA_FWD_BINDING);
+#define JAX_DSA_TARGET_BINDING                                       \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* q */                     \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>()  /* kv */                    \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()   /* indices */               \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()   /* topk_length */           \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()   /* lse */                   \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()   /* mass */                  \
+      .Attr<float>("sm_scale")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaTargetCuda, jax_dsa::SparseTarget, JAX_DSA_TARGET_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaTargetCudaNoGraph, jax_dsa::SparseTarget, JAX_DSA_TARGET_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDenseMlaTargetCuda, jax_dsa::DenseTarget, JAX_DSA_TARGET_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDenseMlaTargetCudaNoGraph, jax_dsa::DenseTarget, JAX_DSA_TARGET_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdCudaInit, jax_dsa::FwdInitialize,
                               ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
                                   .RemainingArgs()

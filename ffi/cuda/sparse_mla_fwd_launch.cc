@@ -5,9 +5,12 @@
 
 namespace jax_dsa {
 
-const SparseMlaFwdKernel* FindFwd(int h, int d) {
-  for (int i = 0; i < kNumSparseMlaFwdKernels; ++i)
-    if (kSparseMlaFwdKernels[i].h == h && kSparseMlaFwdKernels[i].d == d) return &kSparseMlaFwdKernels[i];
+const SparseMlaFwdKernel* FindFwd(int h, int d, bool contiguous, bool target) {
+  for (int i = 0; i < kNumSparseMlaFwdKernels; ++i) {
+    const SparseMlaFwdKernel& k = kSparseMlaFwdKernels[i];
+    if (k.h == h && k.d == d && (k.contiguous != 0) == contiguous && (k.target != 0) == target)
+      return &k;
+  }
   return nullptr;
 }
 

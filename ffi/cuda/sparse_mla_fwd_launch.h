@@ -12,8 +12,9 @@
 
 namespace jax_dsa {
 
-// The compiled variant for (h, d), or nullptr.
-const SparseMlaFwdKernel* FindFwd(int h, int d);
+// The compiled variant for (h, d) in slot-list or contiguous (dense) mode, attention or the
+// indexer loss's target, or nullptr.
+const SparseMlaFwdKernel* FindFwd(int h, int d, bool contiguous = false, bool target = false);
 
 // Loads every kernel module, once per process (later calls return the first call's result).
 cudaError_t LoadFwdKernels();

@@ -210,10 +210,24 @@ def _s_k_steps(w: int, d: int):
 
 
 class SparseMlaFwdSm90:
-    def __init__(self, heads: int, d_qk: int):
+    """``contiguous``: the dense (causal) mode. Query s's slots are the kv rows
+    ``indices[s, 0] + j`` for ``j < topk_length[s]`` (one contiguous run; the other columns of
+    ``indices`` are not read) instead of a list of row ids; everything else is the same.
+
+    ``target``: the indexer loss's target (DeepSeek-V3.2 paper §2.1) instead of attention. lse
+    ``[S_q, H]`` is an input (the attention's natural-log, sink-free denominators over the same
+    slots; +inf for a head that has none) and ``out`` is float32 ``[S_q * H / 64, K_out]``: for
+    tile t = (query s, 64-head group g) and slot j,
+        out[t, j] = sum_{h in g} exp(sm_scale * q[s, h] . kv[row_j] - lse[s, h])
+    (0 for an invalid slot; columns at or past topk_length are not written). Only S = Q K^T
+    runs (no P V, no online softmax); max_logits is not touched."""
+
+    def __init__(self, heads: int, d_qk: int, contiguous: bool = False, target: bool = False):
         assert heads % TILE_M == 0 and d_qk in (512, 576)
         self.h = heads
         self.d = d_qk
+        self.contiguous = contiguous
+        self.target = target
         self.num_threads = 384
         self.producer_regs = 40
         self.consumer_regs = 232
@@ -301,7 +315,9 @@ class SparseMlaFwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_tiles = mQ.shape[0] * (h // TILE_M)
         s_kv = mKV.shape[0]
-        k_slots = mIdx.shape[1]
+        idx_stride = mIdx.shape[1]
+        # the bound of topk_length: the slot list's width, or in contiguous mode the kv rows
+        k_slots = s_kv if const_expr(self.contiguous) else idx_stride
 
         smem = SmemAllocator()
         st = smem.allocate(self.storage_cls)
@@ -381,8 +397,8 @@ class SparseMlaFwdSm90:
                     # is not prefetched: that ran slower at every kv size measured, 16-36 MiB;
                     # benchmarks/NOTES.md, sessions 16 and 17)
                     s_next = (t + n_ctas) // (h // TILE_M)
-                    _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * k_slots * 4,
-                                 k_slots * 4, _l2_policy("evict_first"))
+                    _prefetch_l2(mIdx.iterator.toint() + Int64(s_next) * idx_stride * 4,
+                                 idx_stride * 4, _l2_policy("evict_first"))
                 n_pair = (n_blk + 1) // 2
                 for bp in cutlass.range(n_pair, unroll=1):
                     for stage in cutlass.range_constexpr(STAGES):
@@ -409,7 +425,7 @@ class SparseMlaFwdSm90:
                             use = uses[stage] + bp
                             if use > 0:
                                 cute.arch.mbarrier_wait(empty_own + stage, (use - 1) % 2)
-                            if const_expr(stage == 1):
+                            if const_expr(stage == 1 and not self.target):
                                 if ti > 0 and bp == 0:
                                     # the previous tile's output has left stage 1
                                     cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
@@ -442,9 +458,11 @@ class SparseMlaFwdSm90:
                                         stage_smem + _swizzled_byte_offset(row, col, TILE_N),
                                         src[i] + col * 2, nbytes[i], keep)
                             cute.arch.cp_async_mbarrier_arrive_noinc(full_rest + stage)
-                if ti > 0 and n_blk < 2:
-                    # no block of this tile went to stage 1: still wait for every o_empty phase
-                    cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
+                if const_expr(not self.target):
+                    if ti > 0 and n_blk < 2:
+                        # no block of this tile went to stage 1: still wait for every o_empty
+                        # phase
+                        cute.arch.mbarrier_wait(o_empty, (ti - 1) % 2)
                 uses[0] = uses[0] + (n_blk + 1) // 2
                 uses[1] = uses[1] + n_blk // 2
             cute.arch.cp_async_commit_group()
@@ -454,7 +472,14 @@ class SparseMlaFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = (warp - 4) // 4
             for w in cutlass.range_constexpr(2):
-                if wg == w:
+                if const_expr(self.target):
+                    if wg == w:
+                        self._consumer_target(
+                            w, tidx % 128, tidx % 32, bidx, n_ctas, n_tiles, k_slots, sm_scale,
+                            mLen, mOut, mLse, mma_s, sQ, sK, sValid,
+                            [st.row_sum.data_ptr(), st.true_max.data_ptr()], full_own,
+                            full_rest, empty_own, empty_rest, q_full, q_empty)
+                elif wg == w:
                     self._consumer(w, tidx % 128, tidx % 32, bidx, n_ctas, n_tiles, k_slots,
                                    sm_scale, mLen, mSink, mOut, st.sKV1.data_ptr(),
                                    mLse, mMax, mma_s, mma_rs, sQ, sK, sV, p_base, sValid,
@@ -490,11 +515,17 @@ class SparseMlaFwdSm90:
     def _load_rows(self, mIdx: cute.Tensor, s: Int32, blk: Int32, n_len: Int32, r_in: Int32,
                    rows: cute.Tensor):
         """kv row ids of this producer thread's four rows of block blk (-1 past n_len)."""
+        first = Int32(0)
+        if const_expr(self.contiguous):
+            first = mIdx[s, 0]
         for i in cutlass.range_constexpr(TILE_N // 16):
             pos = blk * TILE_N + r_in + 16 * i
             kv_row = Int32(-1)
             if pos < n_len:
-                kv_row = mIdx[s, pos]
+                if const_expr(self.contiguous):
+                    kv_row = first + pos
+                else:
+                    kv_row = mIdx[s, pos]
             rows[i] = kv_row
 
     @cute.jit
@@ -605,6 +636,90 @@ class SparseMlaFwdSm90:
                 t_last = bidx + (n_tiles - 1 - bidx) // n_ctas * n_ctas
                 self._store_out(mOut, t_last, (t_last - bidx) // n_ctas, wtid, o_full, o_empty,
                                 o_smem)
+
+    @cute.jit
+    def _consumer_target(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, bidx: Int32,
+                         n_ctas: Int32, n_tiles: Int32, k_slots: Int32, sm_scale: Float32,
+                         mLen: cute.Tensor, mMass: cute.Tensor, mLse: cute.Tensor,
+                         mma_s: cute.TiledMma, sQ, sK, sValid: cute.Tensor, red_ptrs, full_own,
+                         full_rest, empty_own, empty_rest, q_full, q_empty):
+        """Target mode (see the class docstring): WG w takes the blocks n = w, w + 2, ... of each
+        tile: S = Q K_n^T over all of D_qk, p = exp2(S * sm_scale * log2 e - lse * log2 e) with
+        invalid slots 0, the stage handed back, then each slot's sum over the 64 heads: over
+        the thread's two rows, the 8 lanes that share its columns (shuffles), and the WG's four
+        warps (shared memory, one 128-thread named barrier on each side)."""
+        d = self.d
+        h = self.h
+        scale_log2 = sm_scale * LOG2E
+        thr_s = mma_s.get_slice(wtid)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[w]))
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
+        n_s = cute.size(acc_s)
+        n_cols = n_s // 2  # the thread's columns: elements i and i + 2 of each group of 4
+        rows = cute.make_rmem_tensor((2,), Int32)
+        rows[0] = cS[0][0]
+        rows[1] = cS[2][0]
+        lse2 = cute.make_rmem_tensor((2,), Float32)
+        csum = cute.make_rmem_tensor((n_cols,), Float32)
+        # [warp of the WG, column] partial sums; this WG's own room
+        sRed = cute.make_tensor(red_ptrs[w], cute.make_layout((4, TILE_N), stride=(TILE_N, 1)))
+        warp_w = wtid // 32
+        steps = tuple(range(d // 16))
+        k_out = mMass.shape[1]
+        uses = cute.make_rmem_tensor((1,), Int32)  # this WG's blocks in earlier tiles
+        uses[0] = Int32(0)
+        for t in cutlass.range(bidx, n_tiles, n_ctas, unroll=1):
+            ti = (t - bidx) // n_ctas
+            s = t // (h // TILE_M)
+            h0 = (t % (h // TILE_M)) * TILE_M
+            n_blk = (self._len(mLen, s, k_slots) + TILE_N - 1) // TILE_N
+            n_own = cutlass.max((n_blk - w + 1) // 2, 0)
+            for r in cutlass.range_constexpr(2):
+                lse2[r] = mLse[s, h0 + rows[r]] * LOG2E
+            cute.arch.mbarrier_wait(q_full, ti % 2)
+            if n_own == 0 and lane == 0:
+                cute.arch.mbarrier_arrive(q_empty, arrive_count=32)
+            for it in cutlass.range(n_own, unroll=1):
+                ph = (uses[0] + it) % 2
+                cute.arch.mbarrier_wait(full_own + w, ph)
+                cute.arch.mbarrier_wait(full_rest + w, ph)
+                cute.arch.fence_view_async_shared()
+                warpgroup.fence()
+                self._mma(mma_s, acc_s, tSrQ, tSrK, steps, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if it == n_own - 1:
+                    cute.arch.mbarrier_arrive(q_empty)  # this WG's last S of the tile is done
+                for c in cutlass.range_constexpr(n_cols):
+                    i0 = (c // 2) * 4 + c % 2  # rows r0 and r0 + 8 of this column
+                    p0 = _ex2(acc_s[i0] * scale_log2 - lse2[0])
+                    p1 = _ex2(acc_s[i0 + 2] * scale_log2 - lse2[1])
+                    v = p0 + p1
+                    if sValid[w, cS[i0][1]] == 0:
+                        v = Float32(0.0)
+                    csum[c] = v
+                # the stage (both parts, and its validity bytes) is the producer's again
+                cute.arch.mbarrier_arrive(empty_own + w)
+                cute.arch.mbarrier_arrive(empty_rest + w)
+                for c in cutlass.range_constexpr(n_cols):
+                    v = csum[c]
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=4)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
+                    csum[c] = v
+                _barrier_sync(4 + w, 128)  # the previous block's sums have been read
+                if lane < 4:
+                    for c in cutlass.range_constexpr(n_cols):
+                        sRed[warp_w, cS[(c // 2) * 4 + c % 2][1]] = csum[c]
+                _barrier_sync(4 + w, 128)
+                if wtid < TILE_N:
+                    col = (w + 2 * it) * TILE_N + wtid
+                    if col < k_out:
+                        tot = sRed[0, wtid] + sRed[1, wtid] + sRed[2, wtid] + sRed[3, wtid]
+                        mMass[t, col] = tot
+            uses[0] = uses[0] + n_own
 
     @cute.jit
     def _store_out(self, mOut: cute.Tensor, t: Int32, ti: Int32, wtid: Int32, o_full, o_empty,

@@ -22,10 +22,14 @@ struct SparseMlaFwdLaunch {
   float sm_scale;
   cudaStream_t stream;
   int32_t num_ctas;           // persistent grid: at most this many CTAs (the SM count)
+  // target mode: out is the float32 mass [out_rows = S_q * H / 64, out_cols] and lse an input
+  int32_t out_rows = 0, out_cols = 0;
 };
 
 struct SparseMlaFwdKernel {
   int h, d;
+  int contiguous;  // 1: dense mode (slots = the run indices[s, 0] + j, j < topk_length[s])
+  int target;      // 1: the indexer loss's target (mass from a given lse) instead of attention
   const char* name;
   void (*load)();
   int32_t (*run)(const SparseMlaFwdLaunch&);

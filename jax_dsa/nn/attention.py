@@ -13,6 +13,7 @@ path)::
     q_h   = [W_UK_h^T q_nope_h ; q_rope_h]          (d_qk = kv_lora_rank + qk_rope_head_dim)
     kv_s  = [c_kv_s ; k_rope_s]                     (one row per token, shared by the heads)
     o_h   = W_UV_h sparse_mla(q, kv, indices, sm_scale, d_v=kv_lora_rank)_h
+            (dense mode: dense_mla(q, kv, sm_scale, d_v, positions, segment ids))
     out   = o_proj([o_h]_h)
 
 which equals un-absorbed attention with ``k_nope_h = W_UK_h c_kv``, ``v_h = W_UV_h c_kv`` and the
@@ -28,7 +29,8 @@ from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.indexer import Indexer
 from jax_dsa.nn.layers import Linear, RMSNorm
 from jax_dsa.nn.rope import apply_rope, rope_cos_sin
-from jax_dsa.nn.slots import dense_indices
+from jax_dsa.ops.dense_mla import REGISTRY as DENSE_REGISTRY
+from jax_dsa.ops.dense_mla import dense_mla
 from jax_dsa.ops.indexer import KL_REGISTRY, indexer_kl_loss
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.sharding import constrain
@@ -158,18 +160,23 @@ class DSAAttention(nnx.Module):
             drive RoPE and causality (key ``s`` visible to query ``t`` iff
             ``positions[s] <= positions[t]`` within the same segment).
           segment_ids: optional ``[B, S]`` integer document ids for packed rows.
-          attention_mode: ``"sparse"``: attend to the indexer's top-k (or ``indices``);
-            ``"dense"``: attend to every visible key (dense warm-up), through the same op.
-          indices: optional ``[B, S, K]`` int slot lists to attend to instead (the previous full
-            layer's top-k on a ``"shared"`` layer, or hand-made ones); ``-1`` = invalid slot.
+          attention_mode: ``"sparse"``: attend to the indexer's top-k (or ``indices``) through
+            :func:`jax_dsa.sparse_mla`; ``"dense"``: attend to every visible key (dense warm-up)
+            through :func:`jax_dsa.dense_mla`, which takes the positions and segment ids and
+            builds no slot list.
+          indices: optional ``[B, S, K]`` int slot lists to attend to instead, in either mode
+            (the previous full layer's top-k on a ``"shared"`` layer, or hand-made ones);
+            ``-1`` = invalid slot.
           implementation: passed to every op the layer calls (:func:`jax_dsa.sparse_mla`,
-            ``indexer_topk``, ``indexer_kl_loss``): a name, a sequence of names or ``None``; an
-            op that lacks the named implementations uses its default order.
+            :func:`jax_dsa.dense_mla`, ``indexer_topk``, ``indexer_kl_loss``): a name, a
+            sequence of names or ``None``; an op that lacks the named implementations uses its
+            default order.
           compute_indexer_loss: compute the indexer KL loss (full layers only).
 
         Returns:
           ``(out [B, S, hidden_size] in the compute dtype, aux)`` with ``aux["indices"]`` the
-          ``[B, S, K]`` int32 slots used, and ``aux["indexer_loss"]`` a float32 scalar
+          ``[B, S, K]`` int32 slots used (``None`` in dense mode without ``indices``: every
+          visible key), and ``aux["indexer_loss"]`` a float32 scalar
           (:func:`jax_dsa.ops.indexer.indexer_kl_loss` against this layer's own absorbed q and
           kv: dense form in dense mode, sparse form over the used slots in sparse mode) or
           ``None`` on shared layers / when not computed.
@@ -204,17 +211,24 @@ class DSAAttention(nnx.Module):
         kv = constrain(kv, ("batch", "sequence", None))  # split by token; the op gathers it
         index_qkw = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
 
-        if indices is None:
-            if attention_mode == "dense":
-                indices = dense_indices(positions, positions, segment_ids, segment_ids)
-            else:
+        if indices is None and attention_mode == "dense":
+            # every visible key, from positions and segment ids: no [S, S] slot list
+            o_lat, lse = dense_mla(
+                q, kv, sm_scale=c.softmax_scale, d_v=c.d_v, q_positions=positions,
+                kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                implementation=DENSE_REGISTRY.restrict(implementation),
+            )
+        else:
+            own = indices is None  # slots from this layer's indexer: all visible
+            if own:
                 indices = self.indexer.topk(*index_qkw, positions, segment_ids,
                                             implementation=implementation)
-        indices = indices.astype(jnp.int32)
-
-        o_lat, _ = sparse_mla(
-            q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation
-        )
+            indices = indices.astype(jnp.int32)
+            o_lat, lse = sparse_mla(
+                q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation
+            )
+            if not own:  # given slots may hold keys the KL's support leaves out
+                lse = None
         o = jnp.einsum("bshc,hvc->bshv", o_lat, matching(w_uv, 0, o_lat, 2))
         o = o.reshape(b, s, c.num_attention_heads * c.v_head_dim)
         out = self.o_proj(o)
@@ -225,6 +239,9 @@ class DSAAttention(nnx.Module):
                 *index_qkw, q, kv, sm_scale=c.softmax_scale, q_positions=positions,
                 kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 indices=None if attention_mode == "dense" else indices,
+                # the attention's own denominators over the same support: the target is not
+                # recomputed from a softmax ("cuda": the attention kernel's target mode)
+                attention_lse=lse,
                 implementation=KL_REGISTRY.restrict(implementation),
             ).astype(jnp.float32)
         return out, {"indices": indices, "indexer_loss": loss}

@@ -17,7 +17,6 @@ from jax_dsa.nn.attention import ATTENTION_MODES, DSAAttention, check_positions
 from jax_dsa.nn.layers import Embed, Linear, RMSNorm
 from jax_dsa.nn.mlp import MLP
 from jax_dsa.nn.moe import MoE
-from jax_dsa.nn.slots import dense_indices
 from jax_dsa.sharding import constrain
 
 
@@ -129,7 +128,8 @@ class DSALanguageModel(nnx.Module):
             full layer's) or ``"dense"`` (every visible key: the dense warm-up stage).
           implementation: passed to every DSA op of every layer (``None``: each op's default order).
           compute_indexer_loss: compute the per-layer indexer KL losses.
-          return_indices: also return each layer's slot lists in ``aux["indices"]``.
+          return_indices: also return each layer's slot lists in ``aux["indices"]`` (``None``
+            per layer in dense mode, which builds none).
 
         Returns:
           ``(logits [B, S, vocab_size] float32, aux)``; ``aux["indexer_loss"]`` is the float32
@@ -146,14 +146,12 @@ class DSALanguageModel(nnx.Module):
         )
 
         x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
-        dense = None
-        if attention_mode == "dense":  # one slot list for every layer
-            dense = dense_indices(positions, positions, segment_ids, segment_ids)
         shared = None
         losses, all_indices = [], []
         for i, layer in enumerate(self.layers):
             full = c.has_indexer(i)
-            indices = dense if dense is not None else (None if full else shared)
+            # dense mode: every layer attends to every visible key (dense_mla), no slot list
+            indices = None if attention_mode == "dense" or full else shared
             x, aux = layer(
                 x, positions, segment_ids, attention_mode=attention_mode, indices=indices,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,

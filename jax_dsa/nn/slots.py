@@ -1,8 +1,9 @@
-"""Slot lists for ``sparse_mla`` that do not come from the indexer: the dense warm-up list.
+"""Slot lists for ``sparse_mla`` that do not come from the indexer: every visible key.
 
-Dense warm-up (DeepSeek-V3.2 paper §2.1) keeps full causal attention; routing it through the
-same ``sparse_mla`` op with every visible key as a slot keeps one code path (and one kernel) for
-both training stages.
+Dense warm-up (DeepSeek-V3.2 paper §2.1) keeps full causal attention. The layers run it through
+:func:`jax_dsa.dense_mla` (positions and segment ids, no slot list); :func:`dense_indices` is the
+equivalent ``sparse_mla`` slot list, ``[S_q, S_kv]`` int32 (64 GiB at 128K tokens): a helper for
+tests and small sequences, which nothing in :mod:`jax_dsa.nn` calls.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def dense_indices(q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=
     Visibility is :func:`jax_dsa.ops.indexer.visible_mask` (``kv_pos <= q_pos``, same segment).
     Valid slots come first (a prefix, as the cuDNN backward's ``topk_length`` convention wants),
     so ``count(indices >= 0)`` is the row's slot count. Costs a sort of ``[S_q, S_kv]`` keys:
-    meant for the warm-up stage and tests, where attention is dense anyway.
+    meant for tests and short sequences; :func:`jax_dsa.dense_mla` computes
+    ``sparse_mla(q, kv, dense_indices(...))`` without it.
 
     Args:
       q_positions, kv_positions: ``[..., S_q]`` / ``[..., S_kv]`` integer positions.

@@ -20,14 +20,17 @@ extern "C" __attribute__((visibility("default"))) int jax_dsa_dsa_bwd_raw_bench(
   using namespace jax_dsa;
   const DsaBwdKernel* pre = FindBwd(kPreKernels, kNumPreKernels, h, -1, -1);
   const DsaBwdKernel* post = FindBwd(kPostKernels, kNumPostKernels, -1, d, -1);
-  const DsaBwdKernel* main = FindBwd(kMainKernels, kNumMainKernels, h, d, k);
+  // k < 0: the wide variant for -k slots, to time it against the bucket of the same width
+  const DsaBwdKernel* main = k < 0 ? FindBwd(kMainKernels, kNumMainKernels, h, d, 0)
+                                   : FindMainBwd(h, d, k);
+  if (k < 0) k = -k;
   if (!pre || !post || !main) return -1;
   if (cudaError_t e = LoadBwdKernels(); e != cudaSuccess) return int(e);
   char* ws = static_cast<char*>(workspace);
   DsaBwdLaunch a{q, kv, out, dout, lse, attn_sink, indices, topk_length, dq, dkv, d_sink,
                  reinterpret_cast<float*>(ws), reinterpret_cast<float*>(ws + StatsBytes(s_q, h)),
                  reinterpret_cast<float*>(ws + 2 * StatsBytes(s_q, h)), s_q, s_kv,
-                 int32_t(RoundUp(s_q, kBwdTileM)), int32_t(AccumElems(s_kv, d)), sm_scale, nullptr};
+                 int32_t(RoundUp(s_q, kBwdTileM)), int32_t(AccumElems(s_kv, d)), sm_scale, nullptr, k};
   cudaStream_t stream;
   cudaEvent_t e0, e1;
   if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) return int(e);

@@ -28,6 +28,10 @@
 // stays exact; the caller log-sum-exps the groups (and the head shards) and normalises per row.
 // The index score is as above.
 //
+// Kernel A, score-only (FwdArgs::mass == nullptr; FFI target jax_dsa_indexer_score_cuda): the
+// index score alone (head group 0's CTAs, no cluster), for callers that take the target from the
+// attention kernels' target mode (jax_dsa_sparse_mla_target_cuda).
+//
 // Kernel B (backward, jax_dsa_indexer_kl_bwd_cuda). Per query row, slot tiles of 64: recomputes
 // s = iq[t] . ik[row_j] (H_I x 64), forms G[hi, j] = dscore[t, j] * w[t, hi] * (s > 0) and writes
 //     d_w[t, hi]  = sum_j dscore[t, j] * relu(s[hi, j])
@@ -68,7 +72,7 @@ struct FwdArgs {
   const int32_t* kv_pos;     // [NB * s_kv]
   const int32_t* q_seg;      // [T] or nullptr (no segment ids)
   const int32_t* kv_seg;     // [NB * s_kv] or nullptr
-  float* mass;               // [ceil(H / 64), T, K]
+  float* mass;               // [ceil(H / 64), T, K], or nullptr: the score alone
   float* score;              // [T, K]
   int64_t t, h, d, h_i, k, s_q, s_kv;
   float sm_scale;

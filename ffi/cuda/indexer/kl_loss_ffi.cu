@@ -3,6 +3,7 @@
 //       -> (mass [ceil(H / 64), T, K] f32, score [T, K] f32); attrs sm_scale (f32), s_q, s_kv (i64)
 //   jax_dsa_indexer_v4_kl_fwd_cuda: (q, kv, iq, ik, w, idx, q_pos, kv_pos, q_seg, kv_seg, lse)
 //       -> (log mass [ceil(H / 64), T, K] f32, score [T, K] f32); lse [T, H] f32; same attrs
+//   jax_dsa_indexer_score_cuda: the forward's operands -> score [T, K] f32 alone; same attrs
 //   jax_dsa_indexer_kl_bwd_cuda: (iq, ik, w, idx, dscore)
 //       -> (d_iq [T, H_I, 128] f32, d_ik [NB * s_kv, 128] f32, d_w [T, H_I] f32); attrs s_q, s_kv
 // Flat rows: T = NB * s_q query rows, NB * s_kv key rows (batch element b's keys are rows
@@ -47,7 +48,7 @@ ffi::Error ForwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi::
                        ffi::Buffer<ffi::S32, 2> idx, ffi::Buffer<ffi::S32, 1> q_pos,
                        ffi::Buffer<ffi::S32, 1> kv_pos, ffi::Buffer<ffi::S32, 1> q_seg,
                        ffi::Buffer<ffi::S32, 1> kv_seg, const ffi::Buffer<ffi::F32, 2>* lse,
-                       ffi::ResultBuffer<ffi::F32, 3> mass, ffi::ResultBuffer<ffi::F32, 2> score,
+                       ffi::ResultBuffer<ffi::F32, 3>* mass, ffi::ResultBuffer<ffi::F32, 2> score,
                        float sm_scale, int64_t s_q, int64_t s_kv) {
   const int64_t t = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t nkv = kv.dimensions()[0], h_i = iq.dimensions()[1], k = idx.dimensions()[1];
@@ -81,7 +82,8 @@ ffi::Error ForwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi::
                    "attention_lse " + (lse ? Dims(lse->dimensions()) : std::string()) +
                        " must be [T, H] = (" + std::to_string(t) + ", " + std::to_string(h) + ")");
   const int64_t groups = (h + 63) / 64;
-  JAX_DSA_KL_CHECK(Shaped(*mass, {groups, t, k}) && Shaped(*score, {t, k}), which,
+  JAX_DSA_KL_CHECK((mass == nullptr || Shaped(**mass, {groups, t, k})) && Shaped(*score, {t, k}),
+                   which,
                    "results must be mass [ceil(H / 64), T, K] = (" + std::to_string(groups) + ", " +
                        std::to_string(t) + ", " + std::to_string(k) + ") and score [T, K]");
   FwdArgs a{reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
@@ -90,7 +92,8 @@ ffi::Error ForwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi::
             reinterpret_cast<const __nv_bfloat16*>(ik.untyped_data()),
             w.typed_data(), idx.typed_data(), q_pos.typed_data(), kv_pos.typed_data(),
             segs ? q_seg.typed_data() : nullptr, segs ? kv_seg.typed_data() : nullptr,
-            mass->typed_data(), score->typed_data(), t, h, d, h_i, k, s_q, s_kv, sm_scale,
+            mass ? (*mass)->typed_data() : nullptr, score->typed_data(), t, h, d, h_i, k, s_q,
+            s_kv, sm_scale,
             lse ? lse->typed_data() : nullptr};
   if (t == 0) return ffi::Error::Success();
   if (const char* why = FwdUnsupported(a)) return Invalid(which, why);
@@ -106,7 +109,17 @@ ffi::Error Forward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer
                    ffi::ResultBuffer<ffi::F32, 3> mass, ffi::ResultBuffer<ffi::F32, 2> score,
                    float sm_scale, int64_t s_q, int64_t s_kv) {
   return ForwardImpl("forward", stream, q, kv, iq, ik, w, idx, q_pos, kv_pos, q_seg, kv_seg,
-                     nullptr, mass, score, sm_scale, s_q, s_kv);
+                     nullptr, &mass, score, sm_scale, s_q, s_kv);
+}
+
+ffi::Error Score(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                 ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
+                 ffi::Buffer<ffi::F32, 2> w, ffi::Buffer<ffi::S32, 2> idx,
+                 ffi::Buffer<ffi::S32, 1> q_pos, ffi::Buffer<ffi::S32, 1> kv_pos,
+                 ffi::Buffer<ffi::S32, 1> q_seg, ffi::Buffer<ffi::S32, 1> kv_seg,
+                 ffi::ResultBuffer<ffi::F32, 2> score, float sm_scale, int64_t s_q, int64_t s_kv) {
+  return ForwardImpl("score", stream, q, kv, iq, ik, w, idx, q_pos, kv_pos, q_seg, kv_seg,
+                     nullptr, nullptr, score, sm_scale, s_q, s_kv);
 }
 
 ffi::Error ForwardV4(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
@@ -119,7 +132,7 @@ ffi::Error ForwardV4(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
                      ffi::ResultBuffer<ffi::F32, 2> score, float sm_scale, int64_t s_q,
                      int64_t s_kv) {
   return ForwardImpl("v4 forward", stream, q, kv, iq, ik, w, idx, q_pos, kv_pos, q_seg, kv_seg,
-                     &lse, log_mass, score, sm_scale, s_q, s_kv);
+                     &lse, &log_mass, score, sm_scale, s_q, s_kv);
 }
 
 ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
@@ -182,6 +195,24 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buff
       .Attr<int64_t>("s_q")                                    \
       .Attr<int64_t>("s_kv")
 
+#define JAX_DSA_SCORE_BINDING                                  \
+  ffi::Ffi::Bind()                                             \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* q */                \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* kv */               \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_positions */      \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_positions */     \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_segment_ids */    \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_segment_ids */   \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
+      .Attr<float>("sm_scale")                                 \
+      .Attr<int64_t>("s_q")                                    \
+      .Attr<int64_t>("s_kv")
+
 #define JAX_DSA_V4_KL_FWD_BINDING                              \
   ffi::Ffi::Bind()                                             \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
@@ -221,6 +252,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCuda, jax_dsa::indexer_kl::Forwa
                               JAX_DSA_KL_FWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCudaNoGraph, jax_dsa::indexer_kl::Forward,
                               JAX_DSA_KL_FWD_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoreCuda, jax_dsa::indexer_kl::Score,
+                              JAX_DSA_SCORE_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoreCudaNoGraph, jax_dsa::indexer_kl::Score,
+                              JAX_DSA_SCORE_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerV4KlFwdCuda, jax_dsa::indexer_kl::ForwardV4,
                               JAX_DSA_V4_KL_FWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerV4KlFwdCudaNoGraph, jax_dsa::indexer_kl::ForwardV4,

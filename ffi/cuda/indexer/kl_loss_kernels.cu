@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) KlFwdKernel(const FwdArgs a, int 
     sm.rows[tid] = my_row;
     if (tid < kTileRows) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
     if constexpr (kGivenLse) {
-      if (tid >= kTileRows && tid < 2 * kTileRows) {
+      if (a.lse != nullptr && tid >= kTileRows && tid < 2 * kTileRows) {
         const int64_t hh = int64_t(hg) * kTileRows + (tid - kTileRows);
         sm.lse2[tid - kTileRows] =
             hh < a.h ? a.lse[t * a.h + hh] * 1.4426950408889634f : INFINITY;  // padded: exp -> 0
@@ -287,6 +287,8 @@ __global__ void __launch_bounds__(kThreads, 2) KlFwdKernel(const FwdArgs a, int 
         if (g == 0 && col0 + j < k) a.score[t * k + col0 + j] = vc[nt][e] ? s : -INFINITY;
       }
   }
+
+  if (a.mass == nullptr) return;  // score-only launch (the target comes from elsewhere)
 
   // Main logits of this head group, in base 2.
   const int64_t h_left = a.h - int64_t(hg) * kTileRows;
@@ -721,11 +723,14 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   if (a.t == 0) return cudaSuccess;
   const int cluster = FwdClusters(a.k);
   const size_t smem = sizeof(FwdSmem);
-  if (a.lse != nullptr) {  // V4: the denominators are given, the CTAs of a row are independent
+  if (a.mass == nullptr || a.lse != nullptr) {
+    // V4 (the denominators are given) and score-only launches: the CTAs of a row are
+    // independent, no cluster; score-only runs head group 0 alone.
     cudaError_t e = cudaFuncSetAttribute(KlFwdKernel<true>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
-    const dim3 grid(unsigned(a.t * cluster), unsigned((a.h + kTileRows - 1) / kTileRows), 1);
+    const unsigned groups = a.mass == nullptr ? 1u : unsigned((a.h + kTileRows - 1) / kTileRows);
+    const dim3 grid(unsigned(a.t * cluster), groups, 1);
     KlFwdKernel<true><<<grid, kThreads, smem, stream>>>(a, cluster);
     return cudaGetLastError();
   }

@@ -18,6 +18,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCudaNoGraph);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCudaNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerScoreCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerScoreCudaNoGraph);
 // DeepSeek V4's KL loss: the forward with given denominators (kl_loss_ffi.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerV4KlFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerV4KlFwdCudaNoGraph);
@@ -31,7 +33,6 @@ NB_MODULE(_cuda_indexer, m) {
     topk["execute"] = nb::capsule(
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerTopkCuda : JaxDsaIndexerTopkCudaNoGraph));
     d["jax_dsa_indexer_topk_cuda"] = topk;
-    // KL-loss registrations go here
     nb::dict kl_fwd, kl_bwd;
     kl_fwd["execute"] = nb::capsule(
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerKlFwdCuda : JaxDsaIndexerKlFwdCudaNoGraph));
@@ -39,6 +40,10 @@ NB_MODULE(_cuda_indexer, m) {
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerKlBwdCuda : JaxDsaIndexerKlBwdCudaNoGraph));
     d["jax_dsa_indexer_kl_fwd_cuda"] = kl_fwd;
     d["jax_dsa_indexer_kl_bwd_cuda"] = kl_bwd;
+    nb::dict score;
+    score["execute"] = nb::capsule(
+        reinterpret_cast<void*>(graphs ? JaxDsaIndexerScoreCuda : JaxDsaIndexerScoreCudaNoGraph));
+    d["jax_dsa_indexer_score_cuda"] = score;
     nb::dict v4_kl_fwd;
     v4_kl_fwd["execute"] = nb::capsule(reinterpret_cast<void*>(
         graphs ? JaxDsaIndexerV4KlFwdCuda : JaxDsaIndexerV4KlFwdCudaNoGraph));

@@ -49,7 +49,8 @@ class KLCall:
       dtype: the promoted dtype of every float input. index_n_heads, index_head_dim: the
       indexer's heads and width. h, d_qk: the main attention's heads and width. s_q, s_kv: query
       and key counts. topk: slots per query, ``None`` for the dense form. segments: whether
-      segment ids were given.
+      segment ids were given. given_lse: whether the target's denominators were given
+      (``attention_lse``).
     """
 
     dtype: np.dtype
@@ -61,6 +62,7 @@ class KLCall:
     s_kv: int
     topk: int | None
     segments: bool
+    given_lse: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +74,12 @@ class KLConfig:
       h: the main attention's total head count (the target's head mean spans every head shard).
       block_q: query rows per block of the ``"xla"`` implementation.
       implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
+      given_lse: ``indexer_kl_loss`` only: the operands hold ``attention_lse`` before the slots
+        (the target's per-head denominators are given, not recomputed).
     """
 
     sm_scale: float
     h: int
     block_q: int
     implementation: object
+    given_lse: bool = False

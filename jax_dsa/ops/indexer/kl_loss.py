@@ -12,7 +12,14 @@ import jax.numpy as jnp
 from jax_dsa.ops.indexer import kl_loss_cuda, kl_loss_xla
 from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args
 from jax_dsa.ops.indexer.config import KLConfig
-from jax_dsa.ops.indexer.kl_vjp import ROLES, describe, flat_operands, kl_call, mean_of_rows
+from jax_dsa.ops.indexer.kl_vjp import (
+    ROLES,
+    V4_ROLES,
+    describe,
+    flat_operands,
+    kl_call,
+    mean_of_rows,
+)
 from jax_dsa.ops.registry import Registry
 
 # On a GPU the sparse form runs on "cuda"; the dense form (warm-up) on "xla".
@@ -33,6 +40,7 @@ def indexer_kl_loss(
     q_segment_ids=None,
     kv_segment_ids=None,
     indices=None,
+    attention_lse=None,
     block_q=None,
     implementation=None,
 ):
@@ -75,6 +83,12 @@ def indexer_kl_loss(
       q_segment_ids, kv_segment_ids: optional ``[..., S_q]`` / ``[..., S_kv]`` integer document
         ids (both or neither).
       indices: optional ``[..., S_q, K]`` integer key rows per query (the sparse form).
+      attention_lse: optional ``[..., S_q, H]`` float natural-log softmax denominators of the
+        main attention over the same support (the ``lse`` that :func:`jax_dsa.sparse_mla`
+        returns for these ``indices``, or ``dense_mla``'s in the dense form). Given, the target
+        is ``mean_h exp(sm_scale * q . kv - attention_lse)`` renormalised over ``S_t`` (equal to
+        the above up to rounding) and is not recomputed from a softmax: ``"cuda"`` then takes
+        it from the attention kernel's target mode (one pass of ``Q K^T``, no ``P V``).
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks one from ``S_kv`` (dense) or ``K`` (sparse) so that a block's temporaries fit
         :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
@@ -104,10 +118,22 @@ def indexer_kl_loss(
     batch, s_q, h_i, s_kv, h, indices, block_q, (q_pos, kv_pos, q_seg, kv_seg) = check_kl_args(
         name, index_q, index_k, index_weights, q, kv, sm_scale, indices, block_q, q_positions,
         kv_positions, q_segment_ids, kv_segment_ids)
+    per_head = ()
+    if attention_lse is not None:
+        attention_lse = jnp.asarray(attention_lse)
+        if attention_lse.shape != batch + (s_q, h):
+            raise ValueError(f"{name}: attention_lse must be [..., S_q, H] = {batch + (s_q, h)}, "
+                             f"got {attention_lse.shape}")
+        if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
+            raise TypeError(f"{name}: attention_lse must be a float array, got "
+                            f"{attention_lse.dtype}")
     acc = acc_dtype(index_q, index_k, index_weights, q, kv)
+    if attention_lse is not None:
+        per_head = (attention_lse.astype(jnp.promote_types(acc, jnp.float32)),)
     impl = REGISTRY.choose(implementation, describe(acc, index_q, q, s_kv, indices,
-                                                    q_seg is not None))
+                                                    q_seg is not None, bool(per_head)))
     operands = flat_operands(batch, index_q, index_k, index_weights,
-                             (q_pos, kv_pos, q_seg, kv_seg), q, kv, (), indices)
-    kl, count = kl_call(name, KLConfig(float(sm_scale), h, block_q, impl), ROLES, *operands)
+                             (q_pos, kv_pos, q_seg, kv_seg), q, kv, per_head, indices)
+    config = KLConfig(float(sm_scale), h, block_q, impl, given_lse=bool(per_head))
+    kl, count = kl_call(name, config, V4_ROLES if per_head else ROLES, *operands)
     return mean_of_rows(kl, count, acc)

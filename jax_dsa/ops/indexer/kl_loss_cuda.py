@@ -15,6 +15,12 @@ ever formed:
   the backward kernel (``jax_dsa_indexer_kl_bwd_cuda``), which writes ``d index_q``,
   ``d index_weights`` and ``d index_k`` (fp32 vector atomics) in float32.
 
+With ``attention_lse`` given (the main attention's denominators over the same slots, e.g.
+``sparse_mla``'s lse), the target comes from the attention forward kernel's target mode instead
+(``jax_dsa.ops.sparse_mla.cuda.cuda_target``: ``Q K^T`` on wgmma tensor cores, one pass, mass
+``sum_h exp(sm_scale * q . kv - lse)``; module ``_cuda``), renormalised over the support, and
+the index score from kernel A's score-only launch (``jax_dsa_indexer_score_cuda``).
+
 Precision: ``q``, ``kv``, ``index_q`` and ``index_k`` are rounded to bfloat16 (the kernels'
 operands; ``KLCall.dtype`` is the promoted dtype of all float inputs, float32 with float32
 weights), ``index_weights`` stays float32, every product accumulates in float32. In the backward
@@ -31,10 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa.ops.indexer.common import masked_log_softmax
-from jax_dsa.ops.indexer.config import KLCall, KLConfig
+from jax_dsa.ops.indexer.config import KLCall
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
+from jax_dsa.ops.sparse_mla.cuda import cuda_target
 
 FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
+SCORE_TARGET = "jax_dsa_indexer_score_cuda"
 BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
 MODULE = "_cuda_indexer"
 KERNEL_D_QK = (512, 576)
@@ -75,7 +83,9 @@ def support_error(call: KLCall) -> str | None:
 def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
-    return support_error(call) or module_error() or sm90_device_error()
+    return (support_error(call) or module_error()
+            or (native_unavailable("cuda", "_cuda") if call.given_lse else None)
+            or sm90_device_error())
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,6 +131,28 @@ def forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, *, sm_s
     return mass.reshape(groups, nb, s_q, k), score.reshape(nb, s_q, k)
 
 
+def score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
+    """Kernel A's score-only launch: the index score ``[NB, S_q, K]`` float32 (``-inf`` off the
+    support). ``q`` and ``kv`` are passed for their shapes only (not read)."""
+    nb, s_q, h, d = q.shape
+    s_kv, k = kv.shape[1], idx.shape[-1]
+    t = nb * s_q
+    o = _flat_operands(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, idx)
+    call = jax.ffi.ffi_call(SCORE_TARGET, jax.ShapeDtypeStruct((t, k), jnp.float32),
+                            vmap_method="sequential")
+    score = call(q.astype(jnp.bfloat16).reshape(t, h, d),
+                 kv.astype(jnp.bfloat16).reshape(nb * s_kv, d), o["iq"], o["ik"], o["iw"],
+                 o["idx"], o["q_pos"], o["kv_pos"], o["q_seg"], o["kv_seg"],
+                 sm_scale=np.float32(1.0), s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    return score.reshape(nb, s_q, k)
+
+
+def target_kernel(q, kv, idx, lse, *, sm_scale):
+    """The target's unnormalised head sum ``[NB, S_q, K]`` from given denominators (the
+    attention kernel's target mode)."""
+    return cuda_target(q, kv, idx, lse, sm_scale=sm_scale)
+
+
 def backward_kernel(iq, ik, iw, idx, dscore):
     """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
     ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support)."""
@@ -146,7 +178,8 @@ def backward_kernel(iq, ik, iw, idx, dscore):
 
 
 # The kernels this module calls (tests swap in the pure-JAX references below on CPU).
-KERNELS = {"forward": forward_kernel, "backward": backward_kernel}
+KERNELS = {"forward": forward_kernel, "backward": backward_kernel, "score": score_kernel,
+           "target": target_kernel}
 
 
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
@@ -182,6 +215,24 @@ def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, id
     return mass, jnp.where(support, score, -jnp.inf)
 
 
+def reference_score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
+    """:func:`score_kernel`'s contract in pure JAX (small shapes only; for tests)."""
+    return reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q[:, :, :1], kv,
+                                    idx, sm_scale=1.0)[1]
+
+
+def reference_target_kernel(q, kv, idx, lse, *, sm_scale):
+    """:func:`target_kernel`'s contract in pure JAX (small shapes only; for tests)."""
+    f32, bf = jnp.float32, jnp.bfloat16
+    s_kv = kv.shape[1]
+    valid = (idx >= 0) & (idx < s_kv)
+    rows = jax.vmap(lambda a, i: a[i])(kv.astype(bf).astype(f32), jnp.where(valid, idx, 0))
+    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale
+    mass = jnp.sum(jnp.exp(logits - lse.astype(f32)[..., None]), axis=2)
+    return jnp.where(valid, mass, 0)
+
+
 def reference_backward_kernel(iq, ik, iw, idx, dscore):
     """The backward kernel's contract in pure JAX (small shapes only; for tests)."""
     nb, s_q, h_i, d_i = iq.shape
@@ -208,15 +259,25 @@ def reference_backward_kernel(iq, ik, iw, idx, dscore):
 # The implementation (kl_vjp contract)
 
 
-def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config):
+def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, rest, config):
     """``p [NB, S_q, K]`` (the target, head mean over every shard; 0 off the support) and the
-    index score (``-inf`` off the support)."""
-    mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
-                                     sm_scale=config.sm_scale)
-    mass = jnp.sum(mass, axis=0)
+    index score (``-inf`` off the support). ``rest``: ``(idx,)`` or ``(attention_lse, idx)``."""
+    if config.given_lse:
+        lse, idx = rest
+        score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale)
+    else:
+        (idx,) = rest
+        mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
+                                         sm_scale=config.sm_scale)
+        mass = jnp.sum(mass, axis=0)
     if layout.heads:  # heads split over the mesh: the head mean spans every shard
         mass = jax.lax.psum(mass, layout.heads)
-    return mass / jnp.float32(config.h), score
+    if config.given_lse:  # renormalised over the support (1 up to rounding)
+        mass = jnp.where(score != -jnp.inf, mass, 0)
+        total = jnp.sum(mass, axis=-1, keepdims=True)
+        return mass / jnp.where(total > 0, total, 1), score, idx
+    return mass / jnp.float32(config.h), score, idx
 
 
 def _check(idx, q):
@@ -228,11 +289,13 @@ def _check(idx, q):
                          f"heads, got {q.shape[2]}")
 
 
-def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config: KLConfig):
-    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows."""
-    _check(idx, q)
-    p, score = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
-                                 config)
+def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows.
+    ``rest``: the slots (after ``attention_lse`` when given), then the :class:`KLConfig`."""
+    *rest, config = rest
+    _check(rest[-1], q)
+    p, score, _ = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
+                                    rest, config)
     support = score != -jnp.inf
     log_pi = masked_log_softmax(score, support)
     pos = support & (p > 0)
@@ -243,12 +306,13 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config
             jnp.sum(has.astype(jnp.int32), axis=-1))
 
 
-def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, config: KLConfig):
+def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
     """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
     KL sums (``d index_k`` a partial sum over this shard's rows)."""
-    _check(idx, q)
-    p, score = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
-                                 config)
+    *rest, config = rest
+    _check(rest[-1], q)
+    p, score, idx = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
+                                      rest, config)
     support = score != -jnp.inf
     pi = jnp.where(support, jnp.exp(masked_log_softmax(score, support)), 0)
     total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)

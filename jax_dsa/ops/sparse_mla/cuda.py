@@ -20,21 +20,24 @@ from jax_dsa.ops.sparse_mla.config import Call, Config
 
 CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
-# -1 to the smallest slot bucket >= K; topk_length makes the kernel stop at each row's valid count.
+# -1 to the smallest slot bucket >= K (past the last, the wide variant takes K as it is);
+# topk_length makes the kernel stop at each row's valid count.
 SLOT_BUCKETS = kernel_spec.DSA_BWD_SLOT_BUCKETS
 KERNEL_HEADS = kernel_spec.SPARSE_MLA_HEADS
 KERNEL_D_QK = kernel_spec.SPARSE_MLA_D_QK
 KERNEL_D_V = kernel_spec.SPARSE_MLA_D_V
+# The handlers' 32-bit extents (K * S_q is checked at run time by the handlers).
+MAX_SLOTS = 2**30
 
 
 def slot_bucket(k: int) -> int:
-    """The compiled slot width used for ``K`` slots per query."""
+    """The backward's slot width for ``K`` slots per query: the smallest bucket >= K, else K
+    itself rounded up to the forward's multiple (the wide variant)."""
     for b in SLOT_BUCKETS:
         if k <= b:
             return b
-    raise ValueError(
-        f"sparse_mla: implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots per query "
-        f"(K), got {k}")
+    m = kernel_spec.SPARSE_MLA_FWD_K_MULTIPLE
+    return -(-k // m) * m
 
 
 def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None:
@@ -46,8 +49,8 @@ def cuda_support_error(dtype, h: int, d_qk: int, d_v: int, k: int) -> str | None
                 f"D_qk={d_qk}, d_v={d_v}")
     if h > KERNEL_HEADS[-1]:
         return f"implementation='cuda' supports at most {KERNEL_HEADS[-1]} heads, got H={h}"
-    if k > SLOT_BUCKETS[-1]:
-        return f"implementation='cuda' supports at most {SLOT_BUCKETS[-1]} slots (K), got {k}"
+    if k > MAX_SLOTS:
+        return f"implementation='cuda' supports at most {MAX_SLOTS} slots (K), got {k}"
     return None
 
 
@@ -66,6 +69,35 @@ def _cuda_dims(q, kv, indices, d_v):
     return nb, s_q, h, d_qk, kv.shape[1], k, hp
 
 
+def forward_slots(indices, s_kv):
+    """``[B, S_q, K]`` per-batch indices -> global row ids ``[B, S_q, K4]`` int32 (valid slots
+    offset by ``b * S_kv``, invalid ones -1 so the offset cannot make them valid), padded with -1
+    to K4, the forward kernel's multiple (it fetches each row of ids in 16-byte blocks)."""
+    nb, _, k = indices.shape
+    valid = (indices >= 0) & (indices < s_kv)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    idx = jnp.where(valid, indices + offset, -1).astype(jnp.int32)
+    m = kernel_spec.SPARSE_MLA_FWD_K_MULTIPLE
+    k4 = -(-k // m) * m
+    if k4 > k:
+        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k4 - k)), constant_values=-1)
+    return idx
+
+
+def pad_heads(q, per_head, fill):
+    """``q [B, S, H, D]`` bf16 and a per-head array (last axis H) padded to the kernels' head
+    count (64 or 128): zero q, ``fill`` for the per-head values. Returns (q, per_head, padded H)."""
+    h = q.shape[2]
+    hp = next(n for n in KERNEL_HEADS if h <= n)
+    q = q.astype(jnp.bfloat16)
+    per_head = per_head.astype(jnp.float32)
+    if hp > h:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+        pad = [(0, 0)] * (per_head.ndim - 1) + [(0, hp - h)]
+        per_head = jnp.pad(per_head, pad, constant_values=fill)
+    return q, per_head, hp
+
+
 def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     """GPU forward through jax_dsa's own AOT SM90 kernel (FlashMLA v2 contract, ffi/cuda/
     sparse_mla_fwd_sm90.py): ``out [B, S_q, H, d_v]`` bfloat16, ``lse [B, S_q, H]`` float32
@@ -77,20 +109,11 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     prefetches each query's row of slot ids in 16-byte blocks); heads padded to 64 or
     128 (zero q, sink -inf), then sliced. Slots past ``topk_length`` are skipped by the kernel.
     """
-    nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
+    nb, s_q, h, d_qk, s_kv, k, _ = _cuda_dims(q, kv, indices, d_v)
     bf = jnp.bfloat16
-    valid = (indices >= 0) & (indices < s_kv)
-    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
-    idx = jnp.where(valid, indices + offset, -1).astype(jnp.int32)
-    m = kernel_spec.SPARSE_MLA_FWD_K_MULTIPLE
-    k4 = -(-k // m) * m
-    if k4 > k:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k4 - k)), constant_values=-1)
-    q = q.astype(bf)
-    sink = attn_sink.astype(jnp.float32)
-    if hp > h:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
-        sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
+    idx = forward_slots(indices, s_kv)
+    k4 = idx.shape[-1]
+    q, sink, hp = pad_heads(q, attn_sink, -jnp.inf)
     t = nb * s_q
     call = jax.ffi.ffi_call(
         CUDA_FWD_TARGET,
@@ -107,6 +130,34 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
     out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
     lse = lse.reshape(nb, s_q, hp)[:, :, :h]
     return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
+
+
+CUDA_TARGET_TARGET = "jax_dsa_sparse_mla_target_cuda"
+
+
+def cuda_target(q, kv, indices, lse, *, sm_scale):
+    """The indexer loss's target from the forward kernel's target mode: ``mass [B, S_q, K]``
+    float32 with ``mass[b, t, j] = sum_h exp(sm_scale * q[b, t, h] . kv[b, idx] - lse[b, t, h])``
+    for valid slots (``0 <= idx < S_kv``; 0 for the others), from ``q [B, S_q, H, D_qk]``,
+    ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` and ``lse [B, S_q, H]`` (natural log; +inf
+    for a head without slots). One pass of Q K^T on the tensor cores, no P V.
+
+    Glue as :func:`cuda_forward` (batch folded, slots padded to a multiple of 4, heads padded
+    with zero q and lse +inf); the kernel's per-64-head-group sums are added here."""
+    nb, s_q, h, d_qk = q.shape
+    s_kv, k = kv.shape[1], indices.shape[-1]
+    bf = jnp.bfloat16
+    idx = forward_slots(indices, s_kv)
+    k4 = idx.shape[-1]
+    q, lse, hp = pad_heads(q, lse, jnp.inf)
+    t, groups = nb * s_q, hp // 64
+    call = jax.ffi.ffi_call(CUDA_TARGET_TARGET,
+                            jax.ShapeDtypeStruct((t * groups, k4), jnp.float32),
+                            vmap_method="sequential")
+    mass = call(q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk),
+                idx.reshape(t, k4), jnp.full((t,), k4, jnp.int32), lse.reshape(t, hp),
+                sm_scale=np.float32(sm_scale))
+    return jnp.sum(mass.reshape(nb, s_q, groups, k4), axis=2)[..., :k]
 
 
 def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:

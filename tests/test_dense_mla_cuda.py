@@ -1,0 +1,163 @@
+"""dense_mla(implementation="cuda"): the SM90 forward kernel's contiguous mode
+(jax_dsa/ops/dense_mla/cuda.py).
+
+On any machine: the run glue (every query's visible keys become one run of sorted kv rows)
+against visible_mask, the supported() rules, and the CUDA lowering of a training step (our
+dense forward call, no [S, S] array). On an SM90 GPU: out and lse against the float64 "xla"
+implementation. benchmarks/gpu_dense_mla.py times it.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dsa import _native, dense_mla
+from jax_dsa.ops import registry
+from jax_dsa.ops.dense_mla import cuda as dense_cuda
+from jax_dsa.ops.dense_mla.config import Call
+from jax_dsa.ops.indexer import visible_mask
+
+
+def _layouts(rng, b, s):
+    """Packed documents in runs, segments interleaved (not runs), arbitrary positions."""
+    seg = np.sort(rng.integers(0, 4, (b, s)), axis=1)
+    pos = np.zeros((b, s), np.int64)
+    for r in range(b):
+        for i in range(1, s):
+            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+    yield seg, pos, pos
+    yield rng.integers(0, 3, (b, s)), rng.integers(0, 10, (b, s)), None
+    yield None, pos, rng.integers(-2, s, (b, s))
+
+
+def test_runs_hold_exactly_the_visible_keys():
+    rng = np.random.default_rng(0)
+    b, s = 2, 45
+    for seg, kv_pos, q_pos in _layouts(rng, b, s):
+        q_pos = kv_pos if q_pos is None else q_pos
+        segs = (None, None) if seg is None else (jnp.asarray(seg), jnp.asarray(seg))
+        perm, lo, count = map(np.asarray, dense_cuda.dense_runs(
+            jnp.asarray(q_pos), jnp.asarray(kv_pos), *segs))
+        vis = np.asarray(visible_mask(jnp.asarray(q_pos), jnp.asarray(kv_pos), *segs))
+        for r in range(b):
+            for t in range(s):
+                got = sorted(perm[r, lo[r, t]:lo[r, t] + count[r, t]].tolist())
+                assert got == np.nonzero(vis[r, t])[0].tolist(), (r, t)
+
+
+def _call(**over):
+    a = dict(dtype=np.dtype(jnp.bfloat16), h=64, d_qk=576, d_v=512, s_q=64, s_kv=64,
+             segmented=False)
+    a.update(over)
+    return Call(**a)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(dtype=np.dtype(np.float32)), "bfloat16"),
+    (dict(d_qk=256), "D_qk"),
+    (dict(d_v=256), "d_v=512"),
+    (dict(h=256), "at most 128 heads"),
+])
+def test_supported_gives_the_rule(over, match):
+    why = dense_cuda.supported(_call(**over))
+    assert why is not None and re.search(match, why), why
+
+
+@pytest.mark.skipif("cuda" not in _native.available(), reason="CUDA module not built")
+def test_training_step_lowers_to_the_dense_forward_without_a_slot_list():
+    b, s, h, d = 1, 300, 64, 576
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((b, s, h, d), jnp.bfloat16), sds((b, s, d), jnp.bfloat16)
+    pos = sds((b, s), jnp.int32)
+
+    def loss(q, kv, pos):
+        out, _ = dense_mla(q, kv, sm_scale=0.07, q_positions=pos, kv_positions=pos,
+                           q_segment_ids=pos // 100, kv_segment_ids=pos // 100,
+                           implementation="cuda")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    text = (jax.jit(jax.grad(loss, (0, 1))).trace(q, kv, pos)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    ours = [c for c in calls if c[0] == dense_cuda.DENSE_FWD_TARGET]
+    assert len(ours) == 1, sorted({c[0] for c in calls})
+    assert f"tensor<{b * s}x4xi32>" in ours[0][3]  # each query's run start (column 0)
+    assert not re.search(rf"tensor<(\d+x)?{s}x{s}xi32>", text)  # no [S, S] slot list
+
+
+def _gpu_ready():
+    if jax.default_backend() != "gpu":
+        return "no GPU"
+    return _native.LOAD_ERRORS.get("_cuda") or registry.sm90_device_error()
+
+
+@pytest.mark.parametrize("b,s,h,d,docs,sink", [
+    (1, 1000, 64, 576, 4, False),  # GLM-5 dims, packed documents, S not a multiple of 64
+    (2, 333, 16, 512, 2, True),    # padded heads, V4 width, a sink
+])
+def test_gpu_matches_float64(b, s, h, d, docs, sink):
+    why = _gpu_ready()
+    if why:
+        pytest.skip(str(why))
+    rng = np.random.default_rng(s)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    seg = np.sort(rng.integers(0, docs, (b, s)), axis=1).astype(np.int32)
+    pos = np.zeros((b, s), np.int32)
+    for r in range(b):
+        for i in range(1, s):
+            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+    q_pos = pos.copy()
+    q_pos[:, :5] = -1  # rows that see no key
+    att = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
+    kw = dict(sm_scale=d ** -0.5, q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(pos),
+              q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
+    out, lse = jax.jit(lambda q, kv, a: dense_mla(q, kv, attn_sink=a, implementation="cuda",
+                                                  **kw))(q, kv, att)
+    with jax.enable_x64(True):
+        ref_out, ref_lse = dense_mla(q.astype(jnp.float64), kv.astype(jnp.float64),
+                                     attn_sink=None if att is None else att.astype(jnp.float64),
+                                     implementation="xla", **kw)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse)
+    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
+    empty = ~np.isfinite(ref_lse)
+    assert np.all(np.isinf(lse[empty])) and np.all(out[empty] == 0)
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(np.where(empty, 0, lse - ref_lse))) < 1e-2
+    assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+
+
+def test_gpu_dense_target_is_the_head_sum_of_the_attention_probabilities():
+    """The target mode on contiguous runs (the dense KL's target): per visible key, the sum over
+    heads of exp(sm_scale * q . kv - lse), against float64, with dense_mla's own lse."""
+    why = _gpu_ready()
+    if why:
+        pytest.skip(str(why))
+    rng = np.random.default_rng(7)
+    b, s, h, d = 1, 200, 80, 576
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    seg = (np.arange(s) >= 120).astype(np.int32)[None]
+    pos = (np.arange(s) - 120 * seg[0])[None].astype(np.int32)
+    scale = d ** -0.5
+    kw = dict(q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos),
+              q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
+    _, lse = dense_mla(q, kv, sm_scale=scale, implementation="cuda", **kw)
+    mass, perm = jax.jit(lambda q, kv, lse: dense_cuda.cuda_dense_target(
+        q, kv, kw["q_positions"], kw["kv_positions"], kw["q_segment_ids"],
+        kw["kv_segment_ids"], lse, sm_scale=scale))(q, kv, lse)
+    mass, perm = np.asarray(mass, np.float64), np.asarray(perm)
+    qf, kvf = np.asarray(q, np.float64)[0], np.asarray(kv, np.float64)[0]
+    logits = np.einsum("thd,sd->ths", qf, kvf) * scale
+    vis = np.asarray(visible_mask(*kw.values()))[0]
+    want = np.where(vis, np.exp(logits - np.asarray(lse, np.float64)[0][..., None]).sum(1), 0)
+    got = np.zeros_like(want)
+    for t in range(s):  # back from the sorted runs to key order
+        n = int(vis[t].sum())
+        lo = int(np.searchsorted(seg[0][perm[0]], seg[0, t]))
+        got[t, perm[0, lo:lo + n]] = mass[0, t, :n]
+    assert np.allclose(got.sum(1)[vis.any(1)], h, rtol=1e-2)  # each head's probabilities sum to 1
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
