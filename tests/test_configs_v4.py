@@ -16,6 +16,7 @@ from jax_dsa.configs.v4 import (
     SLIDING,
     DeepseekV4Config,
     default_layer_types,
+    default_mlp_layer_types,
     get_v4_config,
     layer_types_from_ratios,
 )
@@ -90,8 +91,7 @@ def test_from_checkpoint_config_json():
 def test_transformers_dict_round_trip():
     for name in PRESET_NAMES:
         c = get_config(name)
-        back = DeepseekV4Config.from_hf_dict(c.to_hf_dict())
-        assert back == dataclasses.replace(c, intermediate_size=back.intermediate_size)
+        assert DeepseekV4Config.from_hf_dict(c.to_hf_dict()) == c
     d = get_config("deepseek-v4-flash").to_hf_dict()
     assert d["rope_parameters"]["main"] == {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125
@@ -119,3 +119,35 @@ def test_validation(kw, match):
         dataclasses.replace(get_config("deepseek-v4-flash"), **kw)
     with pytest.raises(ValueError, match="compress_ratios"):
         layer_types_from_ratios([0, 5], 2)
+
+
+def test_moe_schedule_and_fields():
+    """transformers' MoE schedule: num_hash_layers (legacy) or mlp_layer_types; the tiny preset
+    has one hash layer; intermediate_size is moe_intermediate_size (transformers' alias)."""
+    flash = get_config("deepseek-v4-flash")
+    assert flash.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * 40 and flash.num_hash_layers == 3
+    assert flash.intermediate_size == flash.moe_intermediate_size
+    assert DeepseekV4Config.from_hf_dict(dict(FLASH_CONFIG_JSON, num_hash_layers=5)
+                                         ).num_hash_layers == 5
+    types = ["moe", "hash_moe"] + ["moe"] * 41
+    c = DeepseekV4Config.from_hf_dict(dict(FLASH_CONFIG_JSON, mlp_layer_types=types))
+    assert c.mlp_layer_types == tuple(types) and c.is_hash_layer(1) and not c.is_hash_layer(0)
+    assert default_mlp_layer_types(2, 3) == ("hash_moe", "hash_moe")
+    tiny = get_config("deepseek-v4-tiny")
+    assert tiny.mlp_layer_types == ("hash_moe", "moe", "moe", "moe") and tiny.hc_mult == 2
+    assert get_v4_config("deepseek-v4-tiny", num_hidden_layers=5).mlp_layer_types[-1] == "moe"
+    assert tiny.to_hf_dict()["mlp_layer_types"] == list(tiny.mlp_layer_types)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(n_shared_experts=2), "n_shared_experts"),
+    (dict(mlp_layer_types=("moe",) * 42 + ("dense",)), "mlp_layer_types"),
+    (dict(mlp_layer_types=("moe",)), "mlp_layer_types"),
+    (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+    (dict(swiglu_limit=0.0), "swiglu_limit"),
+    (dict(hc_mult=0), "hc_mult"),
+])
+def test_moe_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(get_config("deepseek-v4-flash"), **kw)

@@ -149,12 +149,15 @@ def test_original_names_are_transformers_conversion(reference):
     assert ["model." + r for r in renamed] == ours
 
 
-@pytest.mark.parametrize("original", [False, True])
-def test_load_hf_attention_from_checkpoint(reference, tmp_path, original):
-    """A checkpoint directory in either naming loads through jax_dsa.interop.load_hf_attention
-    and reproduces transformers' output."""
+@pytest.mark.parametrize("layout", ["state_dict", "save_pretrained", "deepseek"])
+def test_load_hf_attention_from_checkpoint(reference, tmp_path, layout):
+    """A checkpoint directory in each naming (transformers' in-memory names, its save_pretrained
+    names, DeepSeek's release names) loads through jax_dsa.interop.load_hf_attention and
+    reproduces transformers' output. (tests/test_interop_v4_layouts.py loads a folder written
+    by transformers' own save_pretrained.)"""
     from jax_dsa.interop.loader import load_hf_attention
-    from jax_dsa.interop.v4 import attention_key
+    from jax_dsa.interop.v4 import attention_prefix
+    from jax_dsa.interop.v4_layouts import save_pretrained_name
 
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
     arrays = reference["small-rates"]
@@ -163,7 +166,11 @@ def test_load_hf_attention_from_checkpoint(reference, tmp_path, original):
     for key, value in arrays.items():
         if key.startswith("layers."):
             _, layer, name = key.split(".", 2)
-            tensors[attention_key(name.split("."), int(layer), original)] = value
+            tensors[save_pretrained_name(attention_prefix(int(layer)) + name, layout)] = value
+    sinks = {"state_dict": "model.layers.0.self_attn.sinks",
+             "save_pretrained": "model.layers.0.attn.attn_sink",
+             "deepseek": "layers.0.attn.attn_sink"}
+    assert sinks[layout] in tensors
     safetensors_numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
     config = DeepseekV4Config.from_hf_dict(json.loads(str(arrays["config_json"])))
     x, positions = jnp.asarray(arrays["hidden_states"]), jnp.asarray(arrays["position_ids"])

@@ -42,6 +42,7 @@ def test_forward_shapes_and_slot_lists():
         model(ids.astype(jnp.float32))
 
 
+@pytest.mark.slow
 def test_trains_on_text_and_indexer_learns():
     """Indexer alone (the paper's warm-up: everything else frozen, so the KL teacher is fixed):
     its loss falls. Then everything: the LM loss falls. One compiled step; the update mask is an

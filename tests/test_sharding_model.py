@@ -30,6 +30,9 @@ from jax_dsa.sharding.constraints import explicit_axes
 from test_sharding import assert_close, collectives
 
 B, S = 2, 32
+# DeepSeek V4 tiny cut to its first three layers: sliding window, CSA and HCA attention, the hash
+# and a top-k MoE layer, hyper-connections (the fourth layer repeats CSA and costs compile time).
+V4, V4_OVERRIDES = "deepseek-v4-tiny", {"num_hidden_layers": 3}
 
 
 def make_mesh(sizes, axis_type=AxisType.Auto):
@@ -108,7 +111,12 @@ def check(got, want):
     assert_close(idx_loss, w_idx_loss, what="indexer loss")
     flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
     for path, w in jax.tree_util.tree_flatten_with_path(w_grads)[0]:
-        assert_close(flat_got[path], w, what="grad " + jax.tree_util.keystr(path))
+        name = jax.tree_util.keystr(path)
+        # V4's hyper-connection scales and biases (3 to 8 numbers a site) sum cancelling
+        # per-token terms over the whole batch: float32 summation order shows at ~1e-4
+        rel = 1e-3 if any(k in name for k in ("_hc']['scale", "_hc']['base", "hc_head']['hc_s",
+                                                "hc_head']['hc_b")) else 1e-5
+        assert_close(flat_got[path], w, rel=rel, what="grad " + name)
 
 
 def test_model_under_default_rules_equals_unsharded():
@@ -168,11 +176,11 @@ def test_zigzag_layout_gives_the_natural_order_back():
     ("sparse", (("mlp_layer_types", ("sparse", "sparse")), ("n_group", 2), ("topk_group", 1))),
 ])
 def test_model_on_explicit_axes_equals_unsharded(mode, overrides):
-    """dp=2, cp=2, tp=2 of Explicit axes: the embedding gather, the projections and the dense
-    slot list name their output sharding, and the ops' custom VJP returns each cotangent typed
-    like its primal (d_attn_sink comes out of the head-split backward); the MoE experts run per
-    token shard under shard_map; logits, losses and every gradient equal one device, with the
-    same placement as under Auto axes."""
+    """dp=2, cp=2, tp=2 of Explicit axes: the embedding gather and the projections name their
+    output sharding (dense mode: dense_mla gathers the key positions itself, as kv), and the
+    ops' custom VJP returns each cotangent typed like its primal (d_attn_sink comes out of the
+    head-split backward); the MoE experts run per token shard under shard_map; logits, losses
+    and every gradient equal one device, with the same placement as under Auto axes."""
     graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(
         "glm5-tiny", **dict(overrides))
     f = step(graphdef, mode)
@@ -192,7 +200,7 @@ def test_deepseek_v4_model_under_default_rules_equals_unsharded():
     """DeepSeek V4 tiny (sliding, CSA and HCA layers; the CSA top-k selects 8 of 16 entries) on
     dp=2, cp=2, tp=2 of Auto axes: the compressor's windows cross sequence shards, the grouped
     output projection splits by head group."""
-    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch("deepseek-v4-tiny")
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(V4, **V4_OVERRIDES)
     f = step(graphdef, "sparse")
     want = f(params, rest, ids, pos, seg, targets_of(ids))
     mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2})
@@ -206,13 +214,13 @@ def test_deepseek_v4_model_under_default_rules_equals_unsharded():
 
 
 @pytest.mark.parametrize("sizes,mode", [({"dp": 2, "cp": 2, "tp": 2}, "sparse"),
-                                        ({"tp": 4}, "dense")])
+                                        pytest.param({"tp": 4}, "dense", marks=pytest.mark.slow)])
 def test_deepseek_v4_model_on_explicit_axes_equals_unsharded(sizes, mode):
     """V4 tiny on Explicit axes: the compression layout and windows come whole along the
     sequence, the CSA indexer loss is split like V3.2's (its d index_k typed like index_k,
     which comes whole), and with tp=4 the two
     output groups cannot take the head split (the grouped weight comes whole)."""
-    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch("deepseek-v4-tiny")
+    graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(V4, **V4_OVERRIDES)
     f = step(graphdef, mode)
     want = f(params, rest, ids, pos, seg, targets_of(ids))
     mesh = make_mesh(sizes, AxisType.Explicit)
@@ -222,13 +230,15 @@ def test_deepseek_v4_model_on_explicit_axes_equals_unsharded(sizes, mode):
     check(got, want)
 
 
+@pytest.mark.slow
 def test_explicit_axes_take_any_token_placement():
     """Token ids placed as the caller likes (replicated, batch on tp, sequence on tp) and the
     default positions: the models put ids, positions and segment ids where the rules want them,
     so every placement gives the one-device logits (GLM-5 and V4 tiny, dp=2, tp=2)."""
     mesh = make_mesh({"dp": 2, "tp": 2}, AxisType.Explicit)
-    for preset in ("glm5-tiny", "deepseek-v4-tiny"):
-        graphdef, params, rest, _, (ids, _, _) = model_and_batch(preset)
+    for preset in ("glm5-tiny", V4):
+        graphdef, params, rest, _, (ids, _, _) = model_and_batch(
+            preset, **(V4_OVERRIDES if preset == V4 else {}))
         model = nnx.merge(graphdef, params, rest)
         want, _ = model(ids)
         with jax.set_mesh(mesh):
@@ -243,8 +253,9 @@ def test_heads_axis_that_does_not_divide_the_head_count():
     (GLM-5 on Auto axes, V4 on Explicit ones); with ``heads`` mapped to None the same mesh
     runs and equals one device. GLM-5's indexer heads over tp = 8 run on Auto axes (as they did
     before the check) and raise on Explicit ones."""
-    for preset, kind in (("glm5-tiny", AxisType.Auto), ("deepseek-v4-tiny", AxisType.Explicit)):
-        graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(preset)
+    for preset, kind in (("glm5-tiny", AxisType.Auto), (V4, AxisType.Explicit)):
+        graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(
+            preset, **(V4_OVERRIDES if preset == V4 else {}))
         mesh = make_mesh({"tp": 8}, kind)
         with jax.set_mesh(mesh):
             p, _, batch = place(mesh, params, logical, (ids, pos, seg, targets_of(ids)))

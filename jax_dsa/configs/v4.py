@@ -18,9 +18,12 @@ RoPE: window-only layers use plain RoPE with ``rope_theta`` (10000); compressed 
 ``compress_rope_parameters`` (YaRN, ``compress_rope_theta`` 160000, factor 16, original 65536, and
 ``attention_factor`` 1: no YaRN scale on cos/sin, as in transformers).
 
-The language model in :mod:`jax_dsa.nn` has standard residuals and a dense SwiGLU MLP of width
-``intermediate_size``; the hyper-connection (mHC) and MoE fields are recorded for checkpoint
-bookkeeping only.
+Feed-forward, per layer (``mlp_layer_types[i]``): ``"moe"`` (top-k router with
+``scoring_func``) or ``"hash_moe"`` (experts chosen by a frozen token-id table), both with one
+shared expert of width ``moe_intermediate_size`` and SwiGLU pre-activations clipped at
+``swiglu_limit``. Residuals: ``hc_mult`` hyper-connection streams (mHC, Sinkhorn-normalised
+mixes). The multi-token-prediction layers (``num_nextn_predict_layers``) are built only on request
+(``DeepseekV4LanguageModel(..., mtp=True)``): transformers does not build them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from jax_dsa.configs.rope import RopeParameters
+
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # what transformers 5.24 builds (no "softmax")
+DEFAULT_NUM_HASH_LAYERS = 3  # transformers' ``default_num_hash_layers``
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -43,6 +50,15 @@ def default_layer_types(num_hidden_layers: int) -> tuple[str, ...]:
     n = num_hidden_layers
     rest = tuple(CSA if i % 2 else HCA for i in range(max(n - 2, 0)))
     return ((HCA,) * min(n, 2) + rest)[:n]
+
+
+def default_mlp_layer_types(
+    num_hidden_layers: int, num_hash_layers: int = DEFAULT_NUM_HASH_LAYERS
+) -> tuple[str, ...]:
+    """transformers' default MoE schedule: ``num_hash_layers`` ``"hash_moe"`` layers, then
+    ``"moe"`` (``DeepseekV4Config.__post_init__``)."""
+    n, k = num_hidden_layers, max(int(num_hash_layers), 0)
+    return ("hash_moe",) * min(n, k) + ("moe",) * max(n - k, 0)
 
 
 def layer_types_from_ratios(
@@ -91,8 +107,16 @@ class DeepseekV4Config:
     top ``index_topk`` compressed entries.
 
     ``layer_types`` defaults to transformers' schedule (:func:`default_layer_types`); checkpoints
-    give ``compress_ratios`` instead (:meth:`from_hf_dict`). ``intermediate_size`` is the dense
-    MLP width of this project's LM (defaults to ``moe_intermediate_size``).
+    give ``compress_ratios`` instead (:meth:`from_hf_dict`). ``mlp_layer_types`` defaults to
+    three ``"hash_moe"`` layers then ``"moe"`` (:func:`default_mlp_layer_types`); checkpoints
+    may give ``num_hash_layers`` instead. ``intermediate_size`` is, as in transformers, another
+    name of ``moe_intermediate_size`` (the width of every expert and of the shared expert).
+
+    MoE: ``n_routed_experts`` experts, ``num_experts_per_tok`` per token, gate values
+    ``scoring_func(router logits)`` of the chosen experts, normalised to sum 1 (transformers
+    always normalises: ``norm_topk_prob`` is recorded only) and scaled by
+    ``routed_scaling_factor``; ``n_shared_experts`` must be 1. mHC: ``hc_mult`` streams,
+    ``hc_sinkhorn_iters`` Sinkhorn-Knopp iterations with floor ``hc_eps``.
 
     Raises:
       ValueError: inconsistent dimensions or unknown layer types.
@@ -101,7 +125,6 @@ class DeepseekV4Config:
     model_type: str = "deepseek_v4"
     vocab_size: int = 129280
     hidden_size: int = 4096
-    intermediate_size: int | None = None
     num_hidden_layers: int = 43
     num_attention_heads: int = 64
     num_key_value_heads: int = 1
@@ -125,7 +148,8 @@ class DeepseekV4Config:
     attention_bias: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
-    # MoE, mHC and MTP: recorded, not built.
+    # MoE and mHC; MTP (num_nextn_predict_layers) is built only with mtp=True.
+    mlp_layer_types: tuple[str, ...] | None = None
     moe_intermediate_size: int = 2048
     n_routed_experts: int = 256
     n_shared_experts: int = 1
@@ -134,7 +158,6 @@ class DeepseekV4Config:
     routed_scaling_factor: float = 1.5
     norm_topk_prob: bool = True
     swiglu_limit: float = 10.0
-    num_hash_layers: int = 3
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -146,12 +169,16 @@ class DeepseekV4Config:
             if self.layer_types is None else tuple(self.layer_types)
         )
         object.__setattr__(self, "layer_types", types)
-        if self.intermediate_size is None:
-            object.__setattr__(self, "intermediate_size", self.moe_intermediate_size)
+        mlp_types = (
+            default_mlp_layer_types(self.num_hidden_layers)
+            if self.mlp_layer_types is None else tuple(self.mlp_layer_types)
+        )
+        object.__setattr__(self, "mlp_layer_types", mlp_types)
         positive = (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "head_dim", "q_lora_rank", "qk_rope_head_dim", "o_groups",
             "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+            "n_routed_experts", "num_experts_per_tok", "hc_mult", "hc_sinkhorn_iters",
         )
         for name in positive:
             value = getattr(self, name)
@@ -195,8 +222,57 @@ class DeepseekV4Config:
             raise ValueError(
                 f"DeepseekV4Config: only hidden_act='silu' is built, got {self.hidden_act!r}"
             )
+        if len(mlp_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"DeepseekV4Config: mlp_layer_types has {len(mlp_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in mlp_types if t not in MLP_LAYER_TYPES})
+        if bad:
+            raise ValueError(
+                f"DeepseekV4Config: mlp_layer_types entries must be in {MLP_LAYER_TYPES}, got {bad}"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"DeepseekV4Config: num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_shared_experts != 1:
+            raise ValueError(
+                "DeepseekV4Config: n_shared_experts must be 1 (transformers builds one shared "
+                f"expert of width moe_intermediate_size), got {self.n_shared_experts}"
+            )
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"DeepseekV4Config: scoring_func must be one of {SCORING_FUNCS} (transformers "
+                f"5.24's DeepseekV4 router has no other), got {self.scoring_func!r}"
+            )
+        if not self.swiglu_limit > 0:
+            raise ValueError(
+                f"DeepseekV4Config: swiglu_limit must be > 0, got {self.swiglu_limit!r}"
+            )
+        if not self.hc_eps >= 0:
+            raise ValueError(f"DeepseekV4Config: hc_eps must be >= 0, got {self.hc_eps!r}")
+        if isinstance(self.num_nextn_predict_layers, bool) or self.num_nextn_predict_layers < 0:
+            raise ValueError(
+                "DeepseekV4Config: num_nextn_predict_layers must be an int >= 0, got "
+                f"{self.num_nextn_predict_layers!r}"
+            )
 
     # Derived quantities ------------------------------------------------------------------------
+
+    @property
+    def intermediate_size(self) -> int:
+        """transformers' alias of ``moe_intermediate_size`` (``attribute_map``)."""
+        return self.moe_intermediate_size
+
+    @property
+    def num_hash_layers(self) -> int:
+        """How many layers route by the token-id table (``"hash_moe"``)."""
+        return self.mlp_layer_types.count("hash_moe")
+
+    def is_hash_layer(self, layer_idx: int) -> bool:
+        return self.mlp_layer_types[layer_idx] == "hash_moe"
 
     @property
     def rope_parameters(self) -> RopeParameters:
@@ -275,6 +351,12 @@ class DeepseekV4Config:
         if d.get("qk_rope_head_dim") is None and d.get("partial_rotary_factor") is not None:
             kw["qk_rope_head_dim"] = int(head_dim * d["partial_rotary_factor"])
         n = int(d.get("num_hidden_layers") or 43)
+        if d.get("mlp_layer_types") is not None:
+            kw["mlp_layer_types"] = tuple(d["mlp_layer_types"])[:n]
+        else:
+            hash_layers = d.get("num_hash_layers")
+            kw["mlp_layer_types"] = default_mlp_layer_types(
+                n, DEFAULT_NUM_HASH_LAYERS if hash_layers is None else int(hash_layers))
         if d.get("layer_types") is not None:
             kw["layer_types"] = tuple(d["layer_types"])[:n]
         elif d.get("compress_ratios") is not None:
@@ -295,9 +377,8 @@ class DeepseekV4Config:
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The fields transformers' ``DeepseekV4Config(**d)`` accepts for the attention part
-        (plus the recorded MoE / mHC fields); ``compress_ratios`` is folded into
-        ``layer_types`` there."""
+        """The fields transformers' ``DeepseekV4Config(**d)`` accepts (``compress_ratios`` is
+        folded into ``layer_types``, ``num_hash_layers`` into ``mlp_layer_types``)."""
         rp = self.compress_rope_parameters
         compress = {"rope_type": rp.rope_type, "rope_theta": rp.rope_theta}
         if rp.rope_type == "yarn":
@@ -311,12 +392,13 @@ class DeepseekV4Config:
         compress["partial_rotary_factor"] = prf
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in ("compress_rope_parameters", "layer_types", "intermediate_size",
+            if f.name not in ("compress_rope_parameters", "layer_types", "mlp_layer_types",
                               "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim",
                               "model_type", "hidden_act")
         }
         out.update(
             layer_types=list(self.layer_types),
+            mlp_layer_types=list(self.mlp_layer_types),
             compress_rates=dict(self.compress_rates),
             partial_rotary_factor=prf,
             compress_rope_theta=rp.rope_theta,
@@ -368,18 +450,18 @@ _PRO = dataclasses.replace(
     layer_types=layer_types_from_ratios([128, 128] + [4, 128] * 29 + [4], 61),
     index_topk=1024,
     moe_intermediate_size=3072,
-    intermediate_size=None,
+    mlp_layer_types=None,
     n_routed_experts=384,
     routed_scaling_factor=2.5,
 )
 
 # Tiny, byte-level: every layer type once (CSA twice), windows and rates small enough that a
-# 256-token row exercises the window, the compression and the top-k.
+# 256-token row exercises the window, the compression and the top-k; one hash-routed MoE layer,
+# two hyper-connection streams.
 _TINY = dataclasses.replace(
     _FLASH,
     vocab_size=256,
     hidden_size=128,
-    intermediate_size=320,
     num_hidden_layers=4,
     num_attention_heads=4,
     head_dim=64,
@@ -396,10 +478,11 @@ _TINY = dataclasses.replace(
     index_topk=16,
     compress_rope_parameters=_v4_compress_rope(theta=160000.0, factor=4.0, original=1024),
     max_position_embeddings=4096,
+    mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
     moe_intermediate_size=64,
     n_routed_experts=4,
     num_experts_per_tok=2,
-    num_hash_layers=0,
+    hc_mult=2,
     num_nextn_predict_layers=0,
 )
 
@@ -414,8 +497,8 @@ PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 def get_v4_config(name: str, **overrides: Any) -> DeepseekV4Config:
     """The V4 preset ``name`` (one of :data:`PRESET_NAMES`) with optional field overrides.
 
-    Overriding ``num_hidden_layers`` without ``layer_types`` keeps the preset's schedule cut or
-    extended by transformers' default alternation.
+    Overriding ``num_hidden_layers`` without ``layer_types`` (``mlp_layer_types``) keeps the
+    preset's schedule cut or extended by transformers' default alternation (by ``"moe"``).
 
     Raises:
       KeyError: an unknown preset name (the message lists the known ones).
@@ -429,6 +512,9 @@ def get_v4_config(name: str, **overrides: Any) -> DeepseekV4Config:
         if n is not None and "layer_types" not in overrides:
             types = config.layer_types[:n]
             overrides["layer_types"] = types + default_layer_types(n)[len(types):]
+        if n is not None and "mlp_layer_types" not in overrides:
+            types = config.mlp_layer_types[:n]
+            overrides["mlp_layer_types"] = types + ("moe",) * (n - len(types))
         config = dataclasses.replace(config, **overrides)
     return config
 
@@ -437,11 +523,14 @@ __all__ = [
     "CSA",
     "HCA",
     "LAYER_TYPES",
+    "MLP_LAYER_TYPES",
+    "SCORING_FUNCS",
     "PRESETS",
     "PRESET_NAMES",
     "SLIDING",
     "DeepseekV4Config",
     "default_layer_types",
+    "default_mlp_layer_types",
     "get_v4_config",
     "layer_types_from_ratios",
 ]

@@ -1,4 +1,7 @@
-"""Hugging Face ``config.json`` <-> :class:`~jax_dsa.configs.DSAConfig`, as transformers reads it.
+"""Hugging Face ``config.json`` <-> :class:`~jax_dsa.configs.DSAConfig` (GLM-5 / V3.2) or
+:class:`~jax_dsa.configs.v4.DeepseekV4Config` (``model_type: "deepseek_v4"``, transformers'
+``DeepseekV4Config``: :meth:`~jax_dsa.configs.v4.DeepseekV4Config.from_hf_dict`), as
+transformers reads it.
 
 The reference is transformers' ``GlmMoeDsaConfig`` / ``DeepseekV32Config`` and the modeling code
 that consumes them (transformers 5.24, ``models/glm_moe_dsa``, ``models/deepseek_v32``). Where the
@@ -22,9 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from jax_dsa.configs import DSAConfig, RopeParameters
+from jax_dsa.configs.v4 import DeepseekV4Config
 
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
-ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+V4_MODEL_TYPE = "deepseek_v4"
+ARCHITECTURES = {
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+    V4_MODEL_TYPE: "DeepseekV4ForCausalLM",
+}
 INDEXER_ROPE_INTERLEAVE = {"glm_moe_dsa": True, "deepseek_v32": False}
 # Quantisation read by the loader (block-scaled FP8 weights with ``weight_scale_inv``).
 SUPPORTED_QUANT_METHODS = ("fp8",)
@@ -54,25 +62,30 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def config_from_hf(d: Mapping[str, Any]) -> DSAConfig:
-    """The :class:`DSAConfig` that means what transformers' model of ``d`` computes.
+def config_from_hf(d: Mapping[str, Any]) -> DSAConfig | DeepseekV4Config:
+    """The config that means what transformers' model of ``d`` computes.
 
     Args:
-      d: a ``config.json`` dict with ``model_type`` in :data:`MODEL_TYPES`.
+      d: a ``config.json`` dict with ``model_type`` in :data:`MODEL_TYPES` or
+        ``"deepseek_v4"``.
 
     Returns:
-      A :class:`DSAConfig` with every DSA, RoPE (YaRN and its mscale), MoE and IndexShare field.
+      A :class:`DSAConfig` with every DSA, RoPE (YaRN and its mscale), MoE and IndexShare field;
+      for ``"deepseek_v4"`` a :class:`~jax_dsa.configs.v4.DeepseekV4Config`.
 
     Raises:
       ValueError: another ``model_type``, a RoPE type other than ``default`` / ``yarn``, a
         ``partial_rotary_factor`` other than 1, an unsupported quantisation method, or any of
-        :class:`DSAConfig`'s own checks.
+        the config class's own checks.
     """
     d = dict(d)
     model_type = d.get("model_type")
+    if model_type == V4_MODEL_TYPE:
+        return DeepseekV4Config.from_hf_dict(d)
     if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"config_from_hf: model_type must be one of {MODEL_TYPES}, got {model_type!r}"
+            f"config_from_hf: model_type must be one of {MODEL_TYPES + (V4_MODEL_TYPE,)}, got "
+            f"{model_type!r}"
         )
     quant = d.get("quantization_config")
     if quant and quant.get("quant_method") not in SUPPORTED_QUANT_METHODS:
@@ -135,14 +148,19 @@ def _rope_to_hf(p: RopeParameters) -> dict[str, Any]:
     return out
 
 
-def config_to_hf(config: DSAConfig, *, dtype: str | None = None) -> dict[str, Any]:
+def config_to_hf(config: DSAConfig | DeepseekV4Config, *, dtype: str | None = None
+                 ) -> dict[str, Any]:
     """A ``config.json`` dict that transformers reads back as the same model.
 
-    ``num_nextn_predict_layers`` is written as 0 (jax_dsa saves no MTP layers);
-    ``mlp_layer_types=None`` (every layer dense) is written out explicitly.
+    ``num_nextn_predict_layers`` is written as 0 (``save_hf`` sets it for a DeepSeek V4 model
+    that has MTP layers, which it saves);
+    ``mlp_layer_types=None`` (every layer dense) is written out explicitly. A
+    :class:`~jax_dsa.configs.v4.DeepseekV4Config` gives its
+    :meth:`~jax_dsa.configs.v4.DeepseekV4Config.to_hf_dict` with ``architectures`` and
+    ``model_type``.
 
     Args:
-      config: the model's :class:`DSAConfig`.
+      config: the model's :class:`DSAConfig` or :class:`~jax_dsa.configs.v4.DeepseekV4Config`.
       dtype: optional ``"float32"`` / ``"bfloat16"`` ... for the ``dtype`` key.
 
     Raises:
@@ -151,6 +169,13 @@ def config_to_hf(config: DSAConfig, *, dtype: str | None = None) -> dict[str, An
         than the model type's.
     """
     c = config
+    if isinstance(c, DeepseekV4Config):
+        out = {"architectures": [ARCHITECTURES[V4_MODEL_TYPE]], "model_type": V4_MODEL_TYPE}
+        out.update(c.to_hf_dict())
+        out["num_nextn_predict_layers"] = 0
+        if dtype is not None:
+            out["dtype"] = dtype
+        return out
     if c.model_type not in MODEL_TYPES:
         raise ValueError(
             f"config_to_hf: model_type must be one of {MODEL_TYPES}, got {c.model_type!r}"
@@ -191,6 +216,7 @@ def config_to_hf(config: DSAConfig, *, dtype: str | None = None) -> dict[str, An
 
 __all__ = [
     "MODEL_TYPES",
+    "V4_MODEL_TYPE",
     "config_from_hf",
     "config_to_hf",
     "read_hf_config",

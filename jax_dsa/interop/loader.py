@@ -5,7 +5,8 @@ memory); each parameter is then streamed from the checkpoint, one device slice a
 :func:`jax_dsa.interop.reading.fill_state`, which also dequantises block-scaled FP8 weights
 (:class:`jax_dsa.interop.reading.CheckpointSource`).
 
-:func:`load_hf_attention` hands DeepSeek V4 checkpoints to :mod:`jax_dsa.interop.v4`.
+:func:`load_hf` hands whole DeepSeek V4 checkpoints to :mod:`jax_dsa.interop.v4_lm`,
+:func:`load_hf_attention` V4 layers to :mod:`jax_dsa.interop.v4`.
 """
 
 from __future__ import annotations
@@ -17,19 +18,23 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_dsa.configs import DSAConfig
+from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.interop.hf_config import config_from_hf, read_hf_config
 from jax_dsa.interop.names import hf_key, is_ignored_key
 from jax_dsa.interop.reading import CheckpointSource, fill_state
 from jax_dsa.interop.safetensors_io import CheckpointReader
 from jax_dsa.interop.v4 import MODEL_TYPE as V4_MODEL_TYPE
 from jax_dsa.interop.v4 import load_v4_attention
+from jax_dsa.interop.v4_lm import load_v4
 from jax_dsa.nn.attention import DSAAttention
 from jax_dsa.nn.model import DSALanguageModel
+from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
 
-def load_hf_config(path: str | os.PathLike) -> DSAConfig:
-    """The :class:`~jax_dsa.configs.DSAConfig` of a checkpoint directory's ``config.json``
-    (see :func:`jax_dsa.interop.config_from_hf`)."""
+def load_hf_config(path: str | os.PathLike) -> DSAConfig | DeepseekV4Config:
+    """The config of a checkpoint directory's ``config.json``: a
+    :class:`~jax_dsa.configs.DSAConfig`, or a :class:`~jax_dsa.configs.v4.DeepseekV4Config`
+    for ``model_type: "deepseek_v4"`` (see :func:`jax_dsa.interop.config_from_hf`)."""
     return config_from_hf(read_hf_config(path))
 
 
@@ -58,8 +63,19 @@ def load_hf(
     compute_dtype=None,
     mesh: Mesh | None = None,
     rules=None,
-) -> DSALanguageModel:
-    """Load a local Hugging Face GLM-5 / GLM-5.2 / DeepSeek V3.2 checkpoint.
+    mtp: bool | None = None,
+) -> DSALanguageModel | DeepseekV4LanguageModel:
+    """Load a local Hugging Face GLM-5 / GLM-5.2 / DeepSeek V3.2 / DeepSeek V4 checkpoint.
+
+    DeepSeek V4 (``model_type: "deepseek_v4"``) gives a
+    :class:`jax_dsa.nn.v4_model.DeepseekV4LanguageModel`, from any layout
+    :func:`jax_dsa.interop.v4_layouts.open_v4_checkpoint` reads (see
+    :func:`jax_dsa.interop.v4_lm.load_v4`), with its multi-token-prediction depths per ``mtp``:
+    ``None`` (default) builds them when ``num_nextn_predict_layers`` > 0 and the checkpoint holds
+    DeepSeek's ``mtp.{k}.*`` tensors (the release, or ``save_hf`` of an MTP model; a
+    transformers ``save_pretrained`` folder has none), ``True`` requires them, ``False`` skips
+    them. The rest of this docstring is about the others (``mtp`` must stay ``None`` or
+    ``False`` for them).
 
     Reads ``config.json`` (:func:`load_hf_config`) and the safetensors file(s) of ``path``
     (``model.safetensors``, or the shards of ``model.safetensors.index.json``), tensor by tensor.
@@ -89,6 +105,13 @@ def load_hf(
         wrong shape, tensors missing, or tensors that belong to no supported layer.
     """
     hf = read_hf_config(path)
+    if hf.get("model_type") == V4_MODEL_TYPE:
+        return load_v4(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
+                       hf=hf, mtp=mtp)
+    if mtp:
+        raise ValueError(
+            f"load_hf: mtp=True is for DeepSeek V4 checkpoints (model_type {V4_MODEL_TYPE!r}); "
+            f"{hf.get('model_type')!r} models are loaded without MTP layers")
     config = config_from_hf(hf)
     compute_dtype = dtype if compute_dtype is None else compute_dtype
     abs_model = nnx.eval_shape(

@@ -11,7 +11,9 @@ never the checkpoint. Routed experts, stored one tensor per expert, are stacked 
 weights (``quantization_config.quant_method == "fp8"``: ``F8_E4M3`` tensors with
 ``weight_scale_inv [ceil(out / b0), ceil(in / b1)]``, as in DeepSeek V3.2's release) on the fly:
 ``w = w_fp8 * weight_scale_inv[i // b0, j // b1]`` (DeepSeek-V3 ``inference/fp8_cast_bf16.py`` /
-``kernel.py weight_dequant``).
+``kernel.py weight_dequant``). The block-scale helpers (:func:`block_scales`, :func:`scale_values`,
+:func:`dequantize_fp8_block`) also serve :mod:`jax_dsa.interop.v4_layouts`, which adds DeepSeek
+V4's ``.scale`` naming, UE8M0 scales and MXFP4 experts.
 
 The GLM / V3.2 loader (:mod:`jax_dsa.interop.loader`) and the DeepSeek V4 one
 (:mod:`jax_dsa.interop.v4`) differ only in the model they build and in ``key_of``, the map from a
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -66,25 +69,76 @@ class CheckpointSource:
             raise ValueError(
                 f"load_hf: {key} is FP8 ({r.dtype(key)}) without a 2-D block scale {scale_key}"
             )
-        w = r.read(key, index).astype(np.float32)
-        shape = r.shape(key)
-        (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index, shape, strict=True))
-        b0, b1 = self.block
-        want = (-(-shape[0] // b0), -(-shape[1] // b1))
-        if r.shape(scale_key) != want:
-            raise ValueError(
-                f"load_hf: {scale_key} has shape {r.shape(scale_key)}, expected {want} for "
-                f"{shape} in blocks of {self.block}"
-            )
-        scale = r.read(scale_key, (slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))))
-        rows = np.arange(r0, r1) // b0 - r0 // b0
-        cols = np.arange(c0, c1) // b1 - c0 // b1
-        return w * scale.astype(np.float32)[rows[:, None], cols[None, :]]
+        return dequantize_fp8_block(r, key, scale_key, index, self.block)
 
     def consumed(self, key: str) -> list[str]:
         """The checkpoint keys that reading ``key`` uses: itself and its FP8 scale, if any."""
         extra = key + SCALE_SUFFIX
         return [key, extra] if extra in self.reader else [key]
+
+
+def scale_values(scale: np.ndarray, dtype: str, what: str) -> np.ndarray:
+    """Block scales as float32, from a safetensors dtype name.
+
+    ``F32`` / ``BF16`` / ``F16`` are values; ``F8_E8M0`` (UE8M0, ``scale_fmt: "ue8m0"``) is a
+    power of two ``2 ** (byte - 127)`` (OCP Microscaling Formats v1.0, section 5.4); ``U8`` holds
+    the same exponent bytes untyped (as transformers' ``Fp8Dequantize`` reads them).
+
+    Raises:
+      ValueError: another dtype (``what`` names the tensor).
+    """
+    if dtype in ("F32", "BF16", "F16", "F8_E8M0"):
+        return np.asarray(scale).astype(np.float32)
+    if dtype == "U8":
+        return np.asarray(scale).view(jnp.float8_e8m0fnu).astype(np.float32)
+    raise ValueError(f"{what}: block scales must be F32, BF16, F16, F8_E8M0 or U8, got {dtype}")
+
+
+def block_scales(read_scale: Callable, scale_shape: tuple[int, int], shape: tuple[int, int],
+                 index: tuple[slice, slice], block: tuple[int, int], what: str) -> np.ndarray:
+    """The per-element scales of ``tensor[index]`` for scales over ``block = (b0, b1)`` tiles:
+    element ``(i, j)`` takes ``scale[i // b0, j // b1]`` (the grid is
+    ``[ceil(rows / b0), ceil(cols / b1)]``; edge tiles are partial).
+
+    Args:
+      read_scale: ``(row_slice, col_slice) -> float32 array`` of the scale grid.
+      scale_shape: the grid's shape; shape: the tensor's (logical) shape; index: two slices
+        (step 1); block: the tile; what: the tensor's name for errors.
+
+    Raises:
+      ValueError: a grid of another shape.
+    """
+    b0, b1 = block
+    want = (-(-shape[0] // b0), -(-shape[1] // b1))
+    if tuple(scale_shape) != want:
+        raise ValueError(
+            f"load_hf: the scale of {what} has shape {tuple(scale_shape)}, expected {want} for "
+            f"{tuple(shape)} in blocks of {tuple(block)}"
+        )
+    (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index, shape, strict=True))
+    scale = read_scale(slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1)))
+    rows = np.arange(r0, r1) // b0 - r0 // b0
+    cols = np.arange(c0, c1) // b1 - c0 // b1
+    return scale[rows[:, None], cols[None, :]]
+
+
+def dequantize_fp8_block(reader: CheckpointReader, key: str, scale_key: str,
+                         index: tuple[slice, slice], block: tuple[int, int]) -> np.ndarray:
+    """``w[index]`` of a block-scaled FP8 weight, float32: ``w_fp8 * scale[i // b0, j // b1]``
+    (DeepSeek-V3 ``inference/kernel.py weight_dequant``; ``scale`` is ``weight_scale_inv`` in
+    transformers' naming, ``.scale`` in DeepSeek V4's, F32 or UE8M0: :func:`scale_values`).
+
+    Raises:
+      ValueError: a scale grid of the wrong shape or dtype.
+    """
+    shape = reader.shape(key)
+    scale_dtype = reader.dtype(scale_key)
+
+    def read_scale(rows, cols):
+        return scale_values(reader.read(scale_key, (rows, cols)), scale_dtype, scale_key)
+
+    w = reader.read(key, index).astype(np.float32)
+    return w * block_scales(read_scale, reader.shape(scale_key), shape, index, block, key)
 
 
 def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
@@ -149,4 +203,7 @@ def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
     return nnx.from_flat_state(flat), consumed, missing
 
 
-__all__ = ["DEFAULT_FP8_BLOCK", "SCALE_SUFFIX", "CheckpointSource", "fill_state"]
+__all__ = [
+    "DEFAULT_FP8_BLOCK", "SCALE_SUFFIX", "CheckpointSource", "block_scales", "dequantize_fp8_block",
+    "fill_state", "scale_values",
+]

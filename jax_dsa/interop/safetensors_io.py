@@ -3,8 +3,8 @@
 A checkpoint directory holds ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json`` (``weight_map``: key -> file), as written by transformers'
 ``save_pretrained``. Tensors are read with ``safetensors.safe_open`` (memory-mapped: a slice
-reads only its bytes). FP8 tensors (``F8_E4M3`` / ``F8_E5M2``), which safetensors cannot hand to
-NumPy, are memory-mapped from the file's own header offsets (format:
+reads only its bytes). FP8 tensors (``F8_E4M3`` / ``F8_E5M2`` / ``F8_E8M0``), which safetensors
+cannot hand to NumPy, are memory-mapped from the file's own header offsets (format:
 https://github.com/huggingface/safetensors, "Format") with the ``ml_dtypes`` element types that
 jax exports.
 """
@@ -23,7 +23,9 @@ from safetensors.numpy import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_RAW_DTYPES = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+_RAW_DTYPES = {
+    "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2, "F8_E8M0": jnp.float8_e8m0fnu,
+}
 
 
 def _read_header(file: str) -> tuple[dict, int]:
@@ -107,6 +109,12 @@ class CheckpointReader:
         if not shape:
             return handle.get_tensor(key)
         return np.asarray(handle.get_slice(key)[index])
+
+    def raw_bytes(self, key: str) -> np.ndarray:
+        """The stored bytes of ``key``, memory-mapped as a flat ``uint8`` array (for sub-byte
+        dtypes such as ``F4``, two E2M1 codes per byte, whose header shape counts elements)."""
+        file, _, _, (start, end), base = self._info[key]
+        return np.memmap(file, dtype=np.uint8, mode="r", offset=base + start, shape=(end - start,))
 
     def close(self):
         for handle in self._handles.values():

@@ -1,4 +1,5 @@
-"""Saving a :class:`jax_dsa.nn.DSALanguageModel` as a Hugging Face checkpoint directory.
+"""Saving a :class:`jax_dsa.nn.DSALanguageModel` as a Hugging Face checkpoint directory
+(a :class:`jax_dsa.nn.DeepseekV4LanguageModel` goes to :func:`jax_dsa.interop.v4_lm.save_v4`).
 
 Writes ``config.json`` (:func:`jax_dsa.interop.config_to_hf`) and safetensors shards with the
 keys and ``[out, in]`` layouts of transformers' ``GlmMoeDsaForCausalLM`` /
@@ -20,7 +21,9 @@ from flax import nnx
 from jax_dsa.interop.hf_config import config_to_hf
 from jax_dsa.interop.names import hf_key
 from jax_dsa.interop.safetensors_io import CheckpointWriter
+from jax_dsa.interop.v4_lm import save_v4
 from jax_dsa.nn.model import DSALanguageModel
+from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -39,13 +42,17 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_hf(model: DSALanguageModel, path: str | os.PathLike, *,
+def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.PathLike, *,
             max_shard_size: int | str = "5GB") -> list[str]:
     """Write ``model`` as a checkpoint that transformers loads with identical logits.
 
     Args:
       model: a :class:`jax_dsa.nn.DSALanguageModel` (e.g. from :func:`jax_dsa.interop.load_hf`)
-        whose config has ``model_type`` ``"glm_moe_dsa"`` or ``"deepseek_v32"``.
+        whose config has ``model_type`` ``"glm_moe_dsa"`` or ``"deepseek_v32"``, or a
+        :class:`jax_dsa.nn.v4_model.DeepseekV4LanguageModel` (written in transformers'
+        ``save_pretrained`` layout for ``DeepseekV4ForCausalLM``, its MTP depths, if any, under
+        DeepSeek's release keys ``mtp.{k}.*``, which transformers skips and ``load_hf`` reads:
+        :func:`jax_dsa.interop.v4_lm.save_v4`).
       path: output directory (created; an earlier checkpoint there is replaced).
       max_shard_size: bytes per safetensors shard (int or ``"5GB"``-style string); more than one
         shard adds ``model.safetensors.index.json``.
@@ -54,13 +61,18 @@ def save_hf(model: DSALanguageModel, path: str | os.PathLike, *,
       The safetensors file names written.
 
     Raises:
-      TypeError: ``model`` is not a ``DSALanguageModel``.
+      TypeError: ``model`` is neither a ``DSALanguageModel`` nor a ``DeepseekV4LanguageModel``.
       ValueError: a config transformers cannot represent (:func:`jax_dsa.interop.config_to_hf`),
         ``tie_word_embeddings`` with an ``lm_head`` that differs from the embedding, or
         parameters not addressable from this process.
     """
+    if isinstance(model, DeepseekV4LanguageModel):
+        return save_v4(model, path, max_shard_size=max_shard_size,
+                       dtype_name=_dtype_name(model.embed_tokens.weight[...].dtype))
     if not isinstance(model, DSALanguageModel):
-        raise TypeError(f"save_hf: model must be a DSALanguageModel, got {type(model).__name__}")
+        raise TypeError(
+            "save_hf: model must be a DSALanguageModel or DeepseekV4LanguageModel, got "
+            f"{type(model).__name__}")
     config = model.config
     path = os.fspath(path)
     _, state = nnx.split(model)

@@ -1,16 +1,16 @@
-"""DeepSeek V4 attention weights from a checkpoint: transformers' names or DeepSeek's own.
+"""DeepSeek V4 attention weights from a checkpoint in any layout (see
+:mod:`jax_dsa.interop.v4_layouts`).
+
 
 :class:`jax_dsa.nn.v4_attention.DeepseekV4Attention` keeps transformers' module names, so a
-parameter's key in a transformers (``save_pretrained``) checkpoint is its state path joined by
-dots after ``model.layers.{i}.self_attn.``. DeepSeek's released checkpoints (deepseek-ai
-DeepSeek-V4-Flash / -Pro) use ``layers.{i}.attn.`` and the reference implementation's names;
-:data:`ORIGINAL_NAMES` maps between the two exactly as transformers' ``deepseek_v4`` checkpoint
-conversion does (``conversion_mapping.py``, transformers 5.24; checked against it by
-tests/test_nn_v4_attention.py).
-
-Weights stored as block-scaled FP8 with ``weight_scale_inv`` (transformers' FP8 format) are
-dequantised by the shared reader (:mod:`jax_dsa.interop.reading`). DeepSeek's own FP8 layout
-(``.scale`` tensors in UE8M0) is not read here: convert such checkpoints with transformers first.
+parameter's ``state_dict`` name is its state path joined by dots after
+``model.layers.{i}.self_attn.``. :func:`load_v4_attention` reads those names through
+:func:`jax_dsa.interop.v4_layouts.open_v4_checkpoint`, which presents transformers'
+``save_pretrained`` output (``model.layers.{i}.attn.*``), DeepSeek's released naming
+(``layers.{i}.attn.*``) and the in-memory names alike, and dequantises block-scaled FP8 (``.scale``
+or ``weight_scale_inv``) on the fly. :data:`ORIGINAL_NAMES` maps the attention parameters to
+DeepSeek's names exactly as transformers' ``deepseek_v4`` checkpoint conversion does
+(``conversion_mapping.py``, transformers 5.24; checked against it by tests/test_nn_v4_attention.py).
 """
 
 from __future__ import annotations
@@ -23,32 +23,16 @@ from jax.sharding import Mesh
 
 from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.interop.hf_config import read_hf_config
-from jax_dsa.interop.reading import CheckpointSource, fill_state
-from jax_dsa.interop.safetensors_io import CheckpointReader
+from jax_dsa.interop.reading import fill_state
+from jax_dsa.interop.v4_layouts import LAYER_NAMES, open_v4_checkpoint
 from jax_dsa.nn.v4_attention import DeepseekV4Attention
 
 MODEL_TYPE = "deepseek_v4"
 
 # transformers' parameter name (relative to self_attn) -> DeepSeek's (relative to attn).
 ORIGINAL_NAMES: dict[str, str] = {
-    "q_a_proj.weight": "wq_a.weight",
-    "q_a_norm.weight": "q_norm.weight",
-    "q_b_proj.weight": "wq_b.weight",
-    "kv_proj.weight": "wkv.weight",
-    "kv_norm.weight": "kv_norm.weight",
-    "o_a_proj.weight": "wo_a.weight",
-    "o_b_proj.weight": "wo_b.weight",
-    "sinks": "attn_sink",
-    "compressor.kv_proj.weight": "compressor.wkv.weight",
-    "compressor.gate_proj.weight": "compressor.wgate.weight",
-    "compressor.position_bias": "compressor.ape",
-    "compressor.kv_norm.weight": "compressor.norm.weight",
-    "compressor.indexer.kv_proj.weight": "indexer.compressor.wkv.weight",
-    "compressor.indexer.gate_proj.weight": "indexer.compressor.wgate.weight",
-    "compressor.indexer.position_bias": "indexer.compressor.ape",
-    "compressor.indexer.kv_norm.weight": "indexer.compressor.norm.weight",
-    "compressor.indexer.q_b_proj.weight": "indexer.wq_b.weight",
-    "compressor.indexer.scorer.weights_proj.weight": "indexer.weights_proj.weight",
+    name.removeprefix("self_attn."): disk[1].removeprefix("attn.")
+    for name, disk in LAYER_NAMES.items() if name.startswith("self_attn.")
 }
 
 
@@ -78,8 +62,9 @@ def load_v4_attention(
 
     The result is the ``nnx.State`` of a :class:`jax_dsa.nn.v4_attention.DeepseekV4Attention`:
     ``attn = DeepseekV4Attention(DeepseekV4Config.from_hf_dict(read_hf_config(path)), layer,
-    rngs=nnx.Rngs(0)); nnx.update(attn, state)``. The naming (transformers' or DeepSeek's) is
-    detected from the checkpoint's keys.
+    rngs=nnx.Rngs(0)); nnx.update(attn, state)``. The layout (transformers' ``save_pretrained``,
+    DeepSeek's release, or ``state_dict`` names) and the quantisation are detected from the
+    checkpoint (:func:`jax_dsa.interop.v4_layouts.open_v4_checkpoint`).
 
     Args:
       path: checkpoint directory (``config.json`` with ``model_type: "deepseek_v4"`` and
@@ -90,7 +75,9 @@ def load_v4_attention(
 
     Raises:
       ValueError: not a DeepSeek V4 config, ``layer`` out of range, the layer's tensors missing
-        or of the wrong shape, or unknown tensors under the layer's attention prefix.
+        or of the wrong shape, unknown tensors under the layer's attention prefix, or a
+        checkpoint :func:`~jax_dsa.interop.v4_layouts.open_v4_checkpoint` refuses (unsupported
+        quantisation, named).
     """
     hf = read_hf_config(path)
     if hf.get("model_type") != MODEL_TYPE:
@@ -107,18 +94,19 @@ def load_v4_attention(
                                     param_dtype=dtype)
     )
     _, abs_state = nnx.split(abs_attn)
-    with CheckpointReader(path) as reader:
-        original = attention_key(("q_a_proj", "weight"), layer, True) in reader
-        prefix = attention_prefix(layer, original)
+    prefix = attention_prefix(layer)
+    with open_v4_checkpoint(path, hf) as ckpt:
         state, consumed, missing = fill_state(
-            abs_state, CheckpointSource(reader, hf),
-            lambda p: (attention_key(p, layer, original), False), mesh, rules,
+            abs_state, ckpt, lambda p: (attention_key(p, layer), False), mesh, rules
         )
         if missing:
             raise ValueError(
-                f"load_v4_attention: the checkpoint lacks layer {layer}'s tensors {missing[:5]}"
+                f"load_v4_attention: the checkpoint ({ckpt.layout} layout) lacks layer {layer}'s "
+                f"tensors {missing[:5]}"
             )
-        extra = [k for k in reader.keys() if k.startswith(prefix) and k not in consumed]
+        extra = [k for k in ckpt.keys() if k.startswith(prefix) and k not in consumed]
+        layer_keys = (f"layers.{layer}.attn.", f"model.layers.{layer}.attn.", prefix)
+        extra += [k for k in ckpt.unknown if k.startswith(layer_keys)]
         if extra:
             raise ValueError(f"load_v4_attention: unknown attention tensors {extra[:5]}")
     return state

@@ -105,6 +105,8 @@ class Experts(nnx.Module):
     hidden_size, moe_intermediate_size]`` (per expert the PyTorch ``[out, in]`` layout of the
     checkpoints' ``experts.{e}.{gate,up,down}_proj.weight``)."""
 
+    swiglu_limit: float | None = None  # DeepSeek V4 clips the pre-activations (v4_moe.py)
+
     def __init__(
         self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
@@ -122,7 +124,8 @@ class Experts(nnx.Module):
         dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``."""
         weights = tuple(p[...].astype(self.dtype) for p in
                         (self.gate_proj, self.up_proj, self.down_proj))
-        mix = functools.partial(_mix, n_experts=self.config.n_routed_experts)
+        mix = functools.partial(_mix, n_experts=self.config.n_routed_experts,
+                                limit=self.swiglu_limit)
         if not explicit_axes():
             return mix(x.astype(self.dtype), topk_weights, topk_indices, *weights)
         # Explicit mesh axes: each token shard routes its own tokens through every expert (the
@@ -141,8 +144,11 @@ class Experts(nnx.Module):
             *args)
 
 
-def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_experts):
-    """The routed experts on one set of tokens (weights in the PyTorch ``[E, out, in]`` layout)."""
+def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_experts,
+         limit=None):
+    """The routed experts on one set of tokens (weights in the PyTorch ``[E, out, in]`` layout);
+    ``limit``: clip the gate pre-activation above at ``limit`` and the up one to ``[-limit,
+    limit]`` (``None``: no clip)."""
     t, k = topk_indices.shape
     flat = topk_indices.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -152,8 +158,11 @@ def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_expe
     w_gate = jnp.swapaxes(gate_proj, 1, 2)  # [E, H, I]
     w_up = jnp.swapaxes(up_proj, 1, 2)
     w_down = jnp.swapaxes(down_proj, 1, 2)  # [E, I, H]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes))
-    h = h * jax.lax.ragged_dot(xs, w_up, group_sizes)
+    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    h = jax.nn.silu(gate) * up
     y = jax.lax.ragged_dot(h, w_down, group_sizes)
     y = y * topk_weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((t, x.shape[-1]), y.dtype).at[token].add(y)

@@ -1,10 +1,23 @@
-"""A small decoder-only language model with DeepSeek V4 attention (pre-norm blocks, SwiGLU MLP).
+"""DeepSeek V4 as a whole decoder-only language model (transformers ``DeepseekV4ForCausalLM``).
 
-Names follow transformers' ``DeepseekV4ForCausalLM`` (``embed_tokens``,
-``layers.N.input_layernorm``, ``layers.N.self_attn``, ``layers.N.post_attention_layernorm``,
-``layers.N.mlp``, ``norm``, ``lm_head``), but the blocks are standard residual blocks with a dense
-SwiGLU MLP: V4's hyper-connections (mHC), MoE and MTP are not built. Each layer's attention type
-(window only, CSA, HCA) comes from ``config.layer_types``.
+Structure and parameter names follow transformers 5.24 ``DeepseekV4ForCausalLM`` (``embed_tokens``,
+``layers.N.{attn_hc, input_layernorm, self_attn, ffn_hc, post_attention_layernorm, mlp}``,
+``hc_head``, ``norm``, ``lm_head``; the ``model.`` prefix of its state dict dropped) and the
+DeepSeek-V4 report §2::
+
+    X   = [embed(ids)] * hc_mult                                   residual streams [B, S, n, D]
+    per layer:
+      X = attn_hc.expand(self_attn(input_layernorm(attn_hc(X))), X)      (mHC, :mod:`v4_hyper`)
+      X = ffn_hc.expand(mlp(post_attention_layernorm(ffn_hc(X)), ids), X)
+    logits = lm_head(norm(hc_head(X)))
+
+Each layer's attention type (window only, CSA, HCA) comes from ``config.layer_types``
+(:class:`~jax_dsa.nn.v4_attention.DeepseekV4Attention`), its MoE routing (top-k or hash) from
+``config.mlp_layer_types`` (:class:`~jax_dsa.nn.v4_moe.DeepseekV4MoE`). The hyper-connections,
+the norms and the routers keep float32 parameters whatever ``param_dtype`` is (transformers'
+``_keep_in_fp32_modules_strict``). The multi-token-prediction layers (``mtp=True``:
+``config.num_nextn_predict_layers`` depths, :mod:`jax_dsa.nn.v4_mtp`) are an option, off by
+default: transformers does not build them.
 """
 
 from __future__ import annotations
@@ -13,59 +26,66 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dsa.configs.v4 import DeepseekV4Config
-from jax_dsa.nn.layers import RMSNorm
-from jax_dsa.nn.mlp import MLP
-from jax_dsa.nn.model import check_lm_inputs, init_decoder
-from jax_dsa.nn.v4_attention import ATTENTION_MODES, DeepseekV4Attention
+from jax_dsa.nn.layers import Embed, Linear, RMSNorm
+from jax_dsa.nn.model import check_lm_inputs
+from jax_dsa.nn.v4_attention import ATTENTION_MODES
+from jax_dsa.nn.v4_decoder import STREAM_AXES, DeepseekV4DecoderLayer
+from jax_dsa.nn.v4_hyper import HyperHead
+from jax_dsa.nn.v4_mtp import DeepseekV4MTPLayer, shift_ids
 from jax_dsa.sharding import constrain
 
 
-class DeepseekV4DecoderLayer(nnx.Module):
-    """``h = x + self_attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))``."""
-
-    def __init__(
-        self, config: DeepseekV4Config, layer_idx: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-        param_dtype=jnp.float32,
-    ):
-        c = config
-        norm_kw = dict(eps=c.rms_norm_eps, axes=("embed",), rngs=rngs, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(c.hidden_size, **norm_kw)
-        self.self_attn = DeepseekV4Attention(
-            c, layer_idx, rngs=rngs, dtype=dtype, param_dtype=param_dtype
-        )
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm_kw)
-        self.mlp = MLP(
-            c.hidden_size, c.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-            init_std=c.initializer_range,
-        )
-
-    def __call__(self, x, positions, segment_ids, **attn_kwargs):
-        """``x [B, S, hidden]`` -> ``(x, attention aux)``; keyword arguments as in
-        :meth:`jax_dsa.nn.v4_attention.DeepseekV4Attention.__call__`."""
-        a, aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, **attn_kwargs)
-        x = x + a.astype(x.dtype)
-        x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
-        return x, aux
-
-
 class DeepseekV4LanguageModel(nnx.Module):
-    """Decoder-only LM with DeepSeek V4 attention: embeddings, ``num_hidden_layers`` blocks, final
-    RMSNorm, LM head. Same call signature as :class:`jax_dsa.nn.DSALanguageModel`.
+    """DeepSeek V4 decoder-only LM (transformers ``DeepseekV4ForCausalLM``): embeddings,
+    ``num_hidden_layers`` :class:`DeepseekV4DecoderLayer` blocks on ``hc_mult`` streams, the hyper
+    head, the final RMSNorm and the LM head. Same call signature as
+    :class:`jax_dsa.nn.DSALanguageModel`.
 
     Args:
       config: a :class:`~jax_dsa.configs.v4.DeepseekV4Config` (e.g.
         ``get_config("deepseek-v4-tiny")``).
       rngs: parameter RNG.
-      dtype: compute dtype; ``param_dtype``: storage dtype of the parameters.
+      dtype: compute dtype; ``param_dtype``: storage dtype of the projections, experts, embedding
+        and LM head (hyper-connections, norms, routers, sinks and position biases stay float32).
+      mtp: also build ``config.num_nextn_predict_layers`` multi-token-prediction depths
+        (``self.mtp``, created after every other parameter, so the rest draws the same values);
+        the call then returns their logits in ``aux["mtp_logits"]``.
+
+    Raises:
+      ValueError: ``mtp`` with ``num_nextn_predict_layers == 0``.
     """
 
     def __init__(
         self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-        param_dtype=jnp.float32,
+        param_dtype=jnp.float32, mtp: bool = False,
     ):
-        init_decoder(
-            self, config, DeepseekV4DecoderLayer, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embed(
+            c.vocab_size, c.hidden_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+            init_std=c.initializer_range,
         )
+        self.layers = nnx.List([
+            DeepseekV4DecoderLayer(c, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            for i in range(c.num_hidden_layers)
+        ])
+        self.hc_head = HyperHead(c, rngs=rngs)
+        self.norm = RMSNorm(
+            c.hidden_size, eps=c.rms_norm_eps, axes=("embed",), rngs=rngs,
+            param_dtype=jnp.float32,
+        )
+        self.lm_head = Linear(
+            c.hidden_size, c.vocab_size, axes=("vocab", "embed"), rngs=rngs, dtype=dtype,
+            param_dtype=param_dtype, init_std=c.initializer_range,
+        )
+        if mtp and c.num_nextn_predict_layers < 1:
+            raise ValueError(
+                "DeepseekV4LanguageModel: mtp=True needs num_nextn_predict_layers >= 1")
+        self.mtp = nnx.List([
+            DeepseekV4MTPLayer(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            for _ in range(c.num_nextn_predict_layers)
+        ]) if mtp else None
 
     def __call__(
         self,
@@ -81,7 +101,8 @@ class DeepseekV4LanguageModel(nnx.Module):
         """Next-token logits and the CSA indexer loss.
 
         Args:
-          input_ids: ``[B, S]`` int token ids in ``[0, vocab_size)``.
+          input_ids: ``[B, S]`` int token ids in ``[0, vocab_size)`` (they also route the
+            ``"hash_moe"`` layers).
           positions: ``[B, S]`` positions counting from 0 within each document (default
             ``arange(S)``); see :meth:`DeepseekV4Attention.__call__` for packing.
           segment_ids: optional ``[B, S]`` document ids of packed rows.
@@ -95,32 +116,52 @@ class DeepseekV4LanguageModel(nnx.Module):
         Returns:
           ``(logits [B, S, vocab_size] float32, aux)``; ``aux["indexer_loss"]`` is the float32 mean
           of the CSA layers' KL losses (0 when none is computed). Its gradients reach only the
-          indexers' parameters; the logits' gradients never do.
+          indexers' parameters; the logits' gradients never do. With MTP layers,
+          ``aux["mtp_logits"]`` is a tuple of ``[B, S, vocab_size]`` float32, depth ``k``'s row
+          ``i`` predicting token ``i + k + 1`` (no target for the last ``k + 1`` positions).
 
         Raises:
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
           TypeError: non-integer ``input_ids``.
         """
+        c = self.config
         input_ids, positions, segment_ids = check_lm_inputs(
             input_ids, positions, segment_ids, attention_mode, ATTENTION_MODES
         )
         x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
+        streams = constrain(
+            jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], c.hc_mult, x.shape[-1])),
+            STREAM_AXES)
         losses, all_indices, all_lengths = [], [], []
         for layer in self.layers:
-            x, aux = layer(
-                x, positions, segment_ids, attention_mode=attention_mode,
+            streams, aux = layer(
+                streams, input_ids, positions, segment_ids, attention_mode=attention_mode,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,
             )
-            x = constrain(x, ("batch", "sequence", "embed"))
             if aux["indexer_loss"] is not None:
                 losses.append(aux["indexer_loss"])
             all_indices.append(aux["indices"])
             all_lengths.append(aux["topk_length"])
-        logits = constrain(self.lm_head(self.norm(x)).astype(jnp.float32),
-                           ("batch", "sequence", "vocab"))
+        x = constrain(self.norm(self.hc_head(streams)), ("batch", "sequence", "embed"))
+        logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
+        mtp_logits = []
+        for k, layer in enumerate(self.mtp or (), start=1):
+            ids_k = constrain(shift_ids(input_ids, k), ("batch", "sequence"))
+            streams, h, aux = layer.predict(
+                streams, self.embed_tokens(ids_k), ids_k, positions, segment_ids,
+                attention_mode=attention_mode, implementation=implementation,
+                compute_indexer_loss=compute_indexer_loss,
+            )
+            mtp_logits.append(constrain(self.lm_head(h).astype(jnp.float32),
+                                        ("batch", "sequence", "vocab")))
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
         out_aux = {"indexer_loss": indexer_loss}
+        if self.mtp is not None:
+            out_aux["mtp_logits"] = tuple(mtp_logits)
         if return_indices:
             out_aux["indices"] = tuple(all_indices)
             out_aux["topk_length"] = tuple(all_lengths)
         return logits, out_aux
+
+
+__all__ = ["DeepseekV4DecoderLayer", "DeepseekV4LanguageModel", "STREAM_AXES"]
