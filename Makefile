@@ -1,5 +1,5 @@
 # The two commands of the README.
-.PHONY: setup train test
+.PHONY: setup train test test-slow
 
 setup:
 	./scripts/setup.sh
@@ -8,5 +8,10 @@ setup:
 train: setup
 	.venv/bin/python examples/train.py --model glm5-tiny --steps 120 --metrics-out runs/train-metrics.json
 
+# Two pytest workers (pytest-xdist): the suite is compile-bound, so one per core.
 test: setup
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -n 2 --dist worksteal tests
+
+# The long tests that `make test` leaves out (pytest marker `slow`).
+test-slow: setup
+	.venv/bin/python -m pytest -q -n 2 --dist worksteal -m slow tests
