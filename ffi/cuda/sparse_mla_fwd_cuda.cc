@@ -39,6 +39,34 @@ ffi::Error FwdInitialize(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary
   return e == cudaSuccess ? ffi::Error::Success() : FwdCudaError("loading the kernel modules", e);
 }
 
+// The checks every forward-kernel handler shares: the slot operands' shapes against q
+// [S_q, H, D], and (for a non-empty call) K, the 32-bit extents, the compiled variant and its
+// modules; *kern is the variant to launch.
+ffi::Error CheckSlotsAndFind(ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::BF16, 2> kv,
+                             ffi::Buffer<ffi::S32, 2> indices, ffi::Buffer<ffi::S32, 1> topk_length,
+                             bool contiguous, bool target, const SparseMlaFwdKernel** kern) {
+  const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
+  const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
+  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
+  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
+  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
+  *kern = nullptr;
+  if (s_q == 0) return ffi::Error::Success();
+  if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
+  if (k % kSparseMlaFwdKMultiple != 0)
+    return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of " +
+                      std::to_string(kSparseMlaFwdKMultiple) + " (pad indices with -1)");
+  // (the kernel's tile walk adds the grid size to a tile index)
+  if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
+    return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
+  *kern = FindFwd(int(h), int(d), contiguous, target);
+  if (!*kern)
+    return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
+                      " (" + kSparseMlaFwdSupported + ")");
+  if (cudaError_t e = LoadFwdKernels(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+  return ffi::Error::Success();
+}
+
 // contiguous: the dense mode (jax_dsa_dense_mla_fwd_cuda): query s's slots are the kv rows
 // indices[s, 0] + j for j < topk_length[s] (the glue in jax_dsa/ops/dense_mla makes the runs).
 ffi::Error ForwardImpl(bool contiguous, cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
@@ -48,26 +76,14 @@ ffi::Error ForwardImpl(bool contiguous, cudaStream_t stream, ffi::Buffer<ffi::BF
                        ffi::ResultBuffer<ffi::F32, 2> max_logits, float sm_scale) {
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
-  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
-  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
-  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
   if (!Shaped(attn_sink, {h})) return FwdInvalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
   if (!Shaped(*out, {s_q, h, kSparseMlaFwdDv}) || !Shaped(*lse, {s_q, h}) || !Shaped(*max_logits, {s_q, h}))
     return FwdInvalid("results must be out [S_q, H, " + std::to_string(kSparseMlaFwdDv) +
                       "], lse [S_q, H], max_logits [S_q, H]");
-  if (s_q == 0) return ffi::Error::Success();
-  if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
-  if (k % kSparseMlaFwdKMultiple != 0)
-    return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of " +
-                      std::to_string(kSparseMlaFwdKMultiple) + " (pad indices with -1)");
-  // (the kernel's tile walk adds the grid size to a tile index)
-  if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || k > INT32_MAX || s_q * k > INT32_MAX)
-    return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
-  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d), contiguous);
-  if (!kern)
-    return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
-                      " (" + kSparseMlaFwdSupported + ")");
-  if (cudaError_t e = LoadFwdKernels(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+  const SparseMlaFwdKernel* kern = nullptr;
+  if (ffi::Error e = CheckSlotsAndFind(q, kv, indices, topk_length, contiguous, false, &kern);
+      e.failure() || kern == nullptr)
+    return e;
   SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),
                        attn_sink.typed_data(), out->untyped_data(), lse->typed_data(),
                        max_logits->typed_data(), int32_t(s_q), int32_t(s_kv), int32_t(k), sm_scale, stream,
@@ -107,26 +123,17 @@ ffi::Error TargetImpl(bool contiguous, cudaStream_t stream, ffi::Buffer<ffi::BF1
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
   const int64_t rows = mass->dimensions()[0], cols = mass->dimensions()[1];
-  if (!Shaped(kv, {s_kv, d})) return FwdInvalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
-  if (!Shaped(indices, {s_q, k})) return FwdInvalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
-  if (!Shaped(topk_length, {s_q})) return FwdInvalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
   if (!Shaped(lse, {s_q, h})) return FwdInvalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
   if (h % 64 != 0 || rows != s_q * (h / 64) || (!contiguous && cols != k))
     return FwdInvalid("mass " + Dims(mass->dimensions()) + " must be [S_q * H / 64, " +
                       (contiguous ? std::string("K_out") : std::string("K")) + "]");
-  if (s_q == 0 || cols == 0) return ffi::Error::Success();
-  if (s_kv < 1 || k < 1) return FwdInvalid("S_kv and K must be >= 1");
-  if (k % kSparseMlaFwdKMultiple != 0)
-    return FwdInvalid("K = " + std::to_string(k) + " must be a multiple of " +
-                      std::to_string(kSparseMlaFwdKMultiple) + " (pad indices with -1)");
-  if (s_q * (h / 64) > INT32_MAX - 4096 || s_kv > INT32_MAX || s_q * k > INT32_MAX ||
-      cols > INT32_MAX || rows * cols > INT32_MAX)
+  if (cols > INT32_MAX || rows * cols > INT32_MAX)
     return FwdInvalid("sizes too large for the 32-bit extents of the compiled kernels");
-  const SparseMlaFwdKernel* kern = FindFwd(int(h), int(d), contiguous, true);
-  if (!kern)
-    return FwdInvalid("no compiled kernel for H=" + std::to_string(h) + ", D_qk=" + std::to_string(d) +
-                      " (" + kSparseMlaFwdSupported + ")");
-  if (cudaError_t e = LoadFwdKernels(); e != cudaSuccess) return FwdCudaError("loading the kernel modules", e);
+  if (cols == 0) return ffi::Error::Success();
+  const SparseMlaFwdKernel* kern = nullptr;
+  if (ffi::Error e = CheckSlotsAndFind(q, kv, indices, topk_length, contiguous, true, &kern);
+      e.failure() || kern == nullptr)
+    return e;
   // lse is read, not written, in target mode; attn_sink and max_logits are not touched
   float* lse_in = const_cast<float*>(lse.typed_data());
   SparseMlaFwdLaunch a{q.untyped_data(), kv.untyped_data(), indices.typed_data(), topk_length.typed_data(),

@@ -176,7 +176,8 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buff
 }  // namespace indexer_kl
 }  // namespace jax_dsa
 
-#define JAX_DSA_KL_FWD_BINDING                                 \
+// The operands the forward-kernel targets share (mass, score and V4 add their results).
+#define JAX_DSA_KL_FWD_ARGS                                    \
   ffi::Ffi::Bind()                                             \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
       .Arg<ffi::Buffer<ffi::BF16, 3>>() /* q */                \
@@ -188,50 +189,28 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buff
       .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_positions */      \
       .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_positions */     \
       .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_segment_ids */    \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_segment_ids */   \
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_segment_ids */
+
+#define JAX_DSA_KL_FWD_ATTRS                                   \
+  .Attr<float>("sm_scale").Attr<int64_t>("s_q").Attr<int64_t>("s_kv")
+
+#define JAX_DSA_KL_FWD_BINDING                                 \
+  JAX_DSA_KL_FWD_ARGS                                          \
       .Ret<ffi::Buffer<ffi::F32, 3>>()  /* mass */             \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
-      .Attr<float>("sm_scale")                                 \
-      .Attr<int64_t>("s_q")                                    \
-      .Attr<int64_t>("s_kv")
+      JAX_DSA_KL_FWD_ATTRS
 
 #define JAX_DSA_SCORE_BINDING                                  \
-  ffi::Ffi::Bind()                                             \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* q */                \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* kv */               \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_positions */      \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_positions */     \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_segment_ids */    \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_segment_ids */   \
+  JAX_DSA_KL_FWD_ARGS                                          \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
-      .Attr<float>("sm_scale")                                 \
-      .Attr<int64_t>("s_q")                                    \
-      .Attr<int64_t>("s_kv")
+      JAX_DSA_KL_FWD_ATTRS
 
 #define JAX_DSA_V4_KL_FWD_BINDING                              \
-  ffi::Ffi::Bind()                                             \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* q */                \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* kv */               \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_positions */      \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_positions */     \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* q_segment_ids */    \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* kv_segment_ids */   \
+  JAX_DSA_KL_FWD_ARGS                                          \
       .Arg<ffi::Buffer<ffi::F32, 2>>()  /* attention_lse */    \
       .Ret<ffi::Buffer<ffi::F32, 3>>()  /* log mass */         \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
-      .Attr<float>("sm_scale")                                 \
-      .Attr<int64_t>("s_q")                                    \
-      .Attr<int64_t>("s_kv")
+      JAX_DSA_KL_FWD_ATTRS
 
 #define JAX_DSA_KL_BWD_BINDING                                 \
   ffi::Ffi::Bind()                                             \

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsa.ops.dense_mla.config import Config
+from jax_dsa.ops.indexer.common import acc_dtype, blocks_of, unblock
 from jax_dsa.ops.registry import Implementation, always
 
 # Elements of one block's [block_q, H, S_kv] float32 temporary (~64 MiB); the backward holds a
@@ -41,35 +42,15 @@ def default_block_q(s_q: int, h: int, s_kv: int) -> int:
     return block
 
 
-def accumulation_dtype(dtype) -> jnp.dtype:
-    """float32 for 16-bit inputs, the input's own type when it is wider (float64 tests)."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _einsum(spec, a, b, acc):
     # HIGHEST: float32 inputs are not rounded to TF32 on GPUs; 16-bit products are exact.
     return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=acc)
 
 
-def _blocks(x, block_q):
-    """[S, ...] -> [S_pad / block_q, block_q, ...], padding with zeros / False."""
-    s = x.shape[0]
-    n = -(-s // block_q)
-    pad = n * block_q - s
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((n, block_q) + x.shape[1:])
-
-
-def _unblock(x, s):
-    return x.reshape((-1,) + x.shape[2:])[:s]
-
-
 def _row_blocks(block_q, q_pos, q_seg):
     """Blocked query positions, segment ids (or None) and a row mask that drops padding rows."""
     ok = jnp.ones(q_pos.shape, jnp.bool_)
-    return (_blocks(q_pos, block_q), None if q_seg is None else _blocks(q_seg, block_q),
-            _blocks(ok, block_q))
+    return blocks_of(block_q, q_pos, q_seg, ok)
 
 
 def _masked_logits(qb, kv, pb, sb, okb, kv_pos, kv_seg, sm_scale, acc):
@@ -88,7 +69,7 @@ def forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_scale, d_v, bl
     s_kv = kv.shape[0]
     if s_kv == 0:  # no key is visible
         return jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32)
-    acc = accumulation_dtype(q.dtype)
+    acc = acc_dtype(q)
     sink = attn_sink.astype(acc)
     v = kv[:, :d_v]
 
@@ -108,8 +89,8 @@ def forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_scale, d_v, bl
         return o.astype(q.dtype), lse.astype(jnp.float32)
 
     pb, sb, okb = _row_blocks(block_q, q_pos, q_seg)
-    out, lse = jax.lax.map(block, (_blocks(q, block_q), pb, sb, okb))
-    return _unblock(out, s_q), _unblock(lse, s_q)
+    out, lse = jax.lax.map(block, (blocks_of(block_q, q)[0], pb, sb, okb))
+    return unblock(out, s_q), unblock(lse, s_q)
 
 
 def backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *, sm_scale, d_v,
@@ -118,7 +99,7 @@ def backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *, 
     accumulation) and ``d_attn_sink`` (float32 or wider)."""
     s_q, h, d_qk = q.shape
     s_kv = kv.shape[0]
-    acc = accumulation_dtype(q.dtype)
+    acc = acc_dtype(q)
     if s_kv == 0:  # no key is visible: no gradient
         return jnp.zeros_like(q), jnp.zeros_like(kv), jnp.zeros((h,), acc)
     sink = attn_sink.astype(acc)
@@ -146,11 +127,11 @@ def backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *, 
         return (dkv, dsink), dqb.astype(q.dtype)
 
     pb, sb, okb = _row_blocks(block_q, q_pos, q_seg)
-    xs = (_blocks(q, block_q), pb, sb, okb, _blocks(out, block_q), _blocks(dout, block_q),
-          _blocks(lse, block_q))
+    qb, ob, dob, lb = blocks_of(block_q, q, out, dout, lse)
+    xs = (qb, pb, sb, okb, ob, dob, lb)
     init = (jnp.zeros((s_kv, d_qk), acc), jnp.zeros((h,), acc))
     (dkv, dsink), dq = jax.lax.scan(block, init, xs)
-    return _unblock(dq, s_q), dkv.astype(kv.dtype), dsink
+    return unblock(dq, s_q), dkv.astype(kv.dtype), dsink
 
 
 def _forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, config: Config):
