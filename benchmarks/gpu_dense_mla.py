@@ -5,7 +5,9 @@ Accuracy: out and lse against the float64 "xla" implementation on bf16-rounded i
 documents, S not a multiple of the 64-row tile, a sink, rows that see no key), and against
 sparse_mla's "cuda" forward over the same keys as a slot list. Speed (GLM-5 dims, one row): the
 dense forward at S, in TFLOP/s = 2 * H * (D_qk + d_v) * visible pairs / time, next to the sparse
-forward at shape (b) (S_q = S_kv = 16384, K = 2048, all slots valid) in the same process.
+forward at shape (b) (S_q = S_kv = 16384, K = 2048, all slots valid) in the same process, and
+the dense indexer KL loss (32 index heads x 128, with the dense forward's lse) forward+backward
+as a ratio to that dense forward.
 
     python benchmarks/gpu_dense_mla.py --out results.json [--sizes 4096,16384,65536]
 """
@@ -21,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa import dense_mla, sparse_mla
+from jax_dsa import dense_mla, indexer_kl_loss, sparse_mla
 from jax_dsa.nn.slots import dense_indices
 from jax_dsa.ops.dense_mla import cuda as dense_cuda
 
 H, D_QK, D_V = 64, 576, 512
+H_I, D_I = 32, 128
 
 
 def rel_l2(a, b):
@@ -138,7 +141,33 @@ def speed(rows, sizes, n):
                  glue_and_kernel_ms=t_k, tflops=tf, vs_sparse_b_tflops=tf / tf_b)
         print(json.dumps(r), flush=True)
         rows.append(r)
-        del q, kv
+        fb = jax.jit(jax.grad(lambda q, kv, p: jnp.sum(dense_mla(
+            q, kv, sm_scale=scale, d_v=D_V, q_positions=p, kv_positions=p,
+            implementation="cuda")[0].astype(jnp.float32)), (0, 1)))
+        t_fb = median_ms(fb, (q, kv, pos), n)
+        # backward: S and dP recomputed, dQ, dK, dV: 2 * H * (3 * D_qk + 2 * d_v) per pair
+        tf_bwd = 2 * H * (3 * D_QK + 2 * D_V) * pairs / (t_fb - t) / 1e9
+        r = dict(check="speed", what="dense_mla cuda forward+backward (causal, one document)",
+                 s=s, ms=t_fb, backward_ms=t_fb - t, backward_tflops=tf_bwd)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        lse = f(q, kv, pos)[1]
+        ks = jax.random.split(k3, 3)
+        iq = jax.random.normal(ks[0], (1, s, H_I, D_I), jnp.bfloat16)
+        ik = jax.random.normal(ks[1], (1, s, D_I), jnp.bfloat16)
+        w = jax.random.normal(ks[2], (1, s, H_I), jnp.float32) * H_I ** -0.5
+        kl = jax.jit(jax.value_and_grad(lambda iq, ik, w, q, kv, p, lse: indexer_kl_loss(
+            iq, ik, w, q, kv, sm_scale=scale, q_positions=p, kv_positions=p, attention_lse=lse,
+            implementation="cuda"), argnums=(0, 1, 2)))
+        t0 = time.perf_counter()
+        jax.block_until_ready(kl(iq, ik, w, q, kv, pos, lse))
+        first = time.perf_counter() - t0
+        t_kl = median_ms(kl, (iq, ik, w, q, kv, pos, lse), n)
+        r = dict(check="speed", what="indexer_kl_loss cuda dense fwd+bwd (attention_lse given)",
+                 s=s, ms=t_kl, first_call_s=first, vs_dense_forward=t_kl / t)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        del q, kv, iq, ik, w, lse
 
 
 def main():

@@ -2,9 +2,10 @@
 (jax_dsa/ops/dense_mla/cuda.py).
 
 On any machine: the run glue (every query's visible keys become one run of sorted kv rows)
-against visible_mask, the supported() rules, and the CUDA lowering of a training step (our
-dense forward call, no [S, S] array). On an SM90 GPU: out and lse against the float64 "xla"
-implementation. benchmarks/gpu_dense_mla.py times it.
+against visible_mask, the supported() rules, the backward's key chunks with the kernel's
+pure-JAX contract against the "xla" backward, and the CUDA lowering of a training step (our
+dense forward and the chunked backward calls, no [S, S] array). On an SM90 GPU: out, lse and
+the gradients against the float64 "xla" implementation. benchmarks/gpu_dense_mla.py times it.
 """
 
 import re
@@ -66,6 +67,38 @@ def test_supported_gives_the_rule(over, match):
     assert why is not None and re.search(match, why), why
 
 
+@pytest.mark.parametrize("sink", [False, True])
+def test_backward_chunks_match_xla(monkeypatch, sink):
+    """The chunked backward (BWD_CHUNK cut to 24: rows over 1-3 chunks and a partial one), with
+    the kernel's contract, against the "xla" backward: packed documents in runs and interleaved,
+    rows that see no key, padded heads."""
+    monkeypatch.setattr(dense_cuda, "cuda_backward_rows", dense_cuda.reference_backward_rows)
+    monkeypatch.setattr(dense_cuda, "BWD_CHUNK", 24)
+    rng = np.random.default_rng(4)
+    b, s, h, d, d_v = 2, 60, 5, 64, 32
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)
+    q = bf(rng.standard_normal((b, s, h, d)))
+    kv = bf(rng.standard_normal((b, s, d)))
+    dout = bf(rng.standard_normal((b, s, h, d_v)))
+    att = jnp.asarray(rng.standard_normal(h) if sink else np.full(h, -np.inf), jnp.float32)
+    for seg, kv_pos, q_pos in _layouts(rng, b, s):
+        q_pos = kv_pos if q_pos is None else q_pos
+        segs = (None, None) if seg is None else (jnp.asarray(seg), jnp.asarray(seg))
+        kw = dict(sm_scale=d ** -0.5, d_v=d_v, q_positions=jnp.asarray(q_pos),
+                  kv_positions=jnp.asarray(kv_pos), q_segment_ids=segs[0],
+                  kv_segment_ids=segs[1])
+        out, lse = dense_mla(q, kv, attn_sink=att, implementation="xla", **kw)
+        _, vjp = jax.vjp(lambda q, kv, a: dense_mla(q, kv, attn_sink=a, implementation="xla",
+                                                    **kw)[0], q, kv, att)
+        want = vjp(dout)
+        got = dense_cuda.cuda_dense_backward(
+            q, kv, kw["q_positions"], kw["kv_positions"], *segs, att, out, lse, dout,
+            sm_scale=kw["sm_scale"])
+        for name, a, w in zip(("dq", "dkv", "d_sink"), got, want):
+            a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
+            assert np.linalg.norm(a - w) <= 5e-3 * np.linalg.norm(w), name  # out in bf16
+
+
 @pytest.mark.skipif("cuda" not in _native.available(), reason="CUDA module not built")
 def test_training_step_lowers_to_the_dense_forward_without_a_slot_list():
     b, s, h, d = 1, 300, 64, 576
@@ -85,6 +118,8 @@ def test_training_step_lowers_to_the_dense_forward_without_a_slot_list():
     ours = [c for c in calls if c[0] == dense_cuda.DENSE_FWD_TARGET]
     assert len(ours) == 1, sorted({c[0] for c in calls})
     assert f"tensor<{b * s}x4xi32>" in ours[0][3]  # each query's run start (column 0)
+    bwd = [c for c in calls if c[0] == "jax_dsa_dsa_bwd_cuda"]
+    assert len(bwd) == 1 and "stablehlo.while" in text  # the backward over key chunks
     assert not re.search(rf"tensor<(\d+x)?{s}x{s}xi32>", text)  # no [S, S] slot list
 
 
@@ -128,6 +163,46 @@ def test_gpu_matches_float64(b, s, h, d, docs, sink):
     assert np.all(np.isfinite(out))
     assert np.max(np.abs(np.where(empty, 0, lse - ref_lse))) < 1e-2
     assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+
+
+@pytest.mark.parametrize("b,s,h,d,docs,sink,chunk", [
+    (1, 2500, 64, 576, 3, False, 1024),  # GLM-5 dims, three key chunks (the last partial)
+    (2, 333, 16, 512, 2, True, None),    # padded heads, V4 width, a sink, one chunk
+])
+def test_gpu_gradients_match_float64(monkeypatch, b, s, h, d, docs, sink, chunk):
+    why = _gpu_ready()
+    if why:
+        pytest.skip(str(why))
+    if chunk:
+        monkeypatch.setattr(dense_cuda, "BWD_CHUNK", chunk)
+    rng = np.random.default_rng(s + 1)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    seg = np.sort(rng.integers(0, docs, (b, s)), axis=1).astype(np.int32)
+    pos = np.zeros((b, s), np.int32)
+    for r in range(b):
+        for i in range(1, s):
+            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+    q_pos = pos.copy()
+    q_pos[:, :5] = -1  # rows that see no key
+    att = jnp.asarray(rng.standard_normal(h) if sink else np.full(h, -np.inf), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, s, h, 512)), jnp.float32)
+    kw = dict(sm_scale=d ** -0.5, q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(pos),
+              q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
+
+    def loss(q, kv, a, impl):
+        out, _ = dense_mla(q, kv, attn_sink=a, implementation=impl, **kw)
+        return jnp.sum(out.astype(w.dtype) * w)
+
+    got = jax.jit(jax.grad(lambda *x: loss(*x, "cuda"), (0, 1, 2)))(q, kv, att)
+    with jax.enable_x64(True):
+        w = w.astype(jnp.float64)
+        want = jax.jit(jax.grad(lambda *x: loss(*x, "xla"), (0, 1, 2)))(
+            q.astype(jnp.float64), kv.astype(jnp.float64), att.astype(jnp.float64))
+    for name, a, r in zip(("dq", "dkv", "d_sink"), got, want):
+        a, r = np.asarray(a, np.float64), np.asarray(r)
+        assert np.all(np.isfinite(a)), name
+        assert np.linalg.norm(a - r) <= 1e-2 * np.linalg.norm(r), name
 
 
 def test_gpu_dense_target_is_the_head_sum_of_the_attention_probabilities():

@@ -50,6 +50,7 @@ def reference_kernels(cuda_op, monkeypatch):
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "backward", kl_loss_cuda.reference_backward_kernel)
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "score", kl_loss_cuda.reference_score_kernel)
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "target", kl_loss_cuda.reference_target_kernel)
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "dense_lse", kl_loss_cuda.reference_dense_lse_kernel)
     return cuda_op
 
 
@@ -65,7 +66,6 @@ def _call(**over):
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(topk=None), "sparse form only"),
     (dict(d_qk=128), "D_qk"),
     (dict(index_head_dim=64), "index_head_dim 128"),
     (dict(index_n_heads=128), "at most 64 index heads"),
@@ -209,11 +209,27 @@ def rel_l2(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
+def dense_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, segments=True, shuffle=False):
+    """make_inputs for the dense form: ``idx`` every key (the oracle's slot list, not passed to
+    the op: ``dense=True``). ``shuffle``: the keys stored in a random order (positions and
+    segment ids permuted with them), so the glue's sort into runs is not the identity."""
+    x = make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, 1, segments, invalid=False)
+    if shuffle:
+        order = rng.permutation(s_kv)
+        for name in ("ik", "kv", "kv_pos", "kv_seg"):
+            if x[name] is not None:
+                x[name] = np.ascontiguousarray(x[name][:, order])
+    x["idx"] = np.broadcast_to(np.arange(s_kv, dtype=np.int32), (nb, s_q, s_kv)).copy()
+    x["dense"] = True
+    return x
+
+
 def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None):
     def loss(iq, ik, iw):
         return op(iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
                   kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
-                  indices=x["idx"], attention_lse=lse, implementation=impl)
+                  indices=None if x.get("dense") else x["idx"], attention_lse=lse,
+                  implementation=impl)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if jit:
@@ -266,6 +282,33 @@ def test_given_lse_is_checked(cuda_op):
         loss_and_grads(cuda_op, x, 0.1, "xla", lse=np.zeros((1, 8, 4), np.int32))
 
 
+@pytest.mark.parametrize("given_lse,shuffle", [(False, False), (True, True), (False, True)])
+def test_dense_glue_matches_the_oracle(reference_kernels, monkeypatch, given_lse, shuffle):
+    """The dense form over several key chunks (CHUNK cut to 16): rows whose keys span 1-3 chunks,
+    packed documents, keys stored out of order; with the dense lse recomputed or given."""
+    monkeypatch.setattr(kl_loss_cuda, "CHUNK", 16)
+    x = dense_inputs(np.random.default_rng(5), 2, 24, 40, 80, 512, 5, shuffle=shuffle)
+    sm_scale = 512 ** -0.5
+    lse = attention_lse(x, sm_scale) if given_lse else None
+    got_l, got_g = loss_and_grads(reference_kernels, x, sm_scale, "cuda", lse=lse)
+    ref = numpy_oracle(x, sm_scale)
+    tol = 1e-4 if given_lse else 2e-5
+    np.testing.assert_allclose(got_l, ref[0], rtol=tol)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
+        assert rel_l2(a, b) < tol, name
+    want_l, want_g = loss_and_grads(reference_kernels, x, sm_scale, "xla", lse=lse)
+    np.testing.assert_allclose(got_l, want_l, rtol=tol)
+
+
+def test_dense_glue_without_visible_keys_is_zero(reference_kernels):
+    x = dense_inputs(np.random.default_rng(1), 1, 8, 8, 4, 512, 2, segments=False)
+    x["kv_pos"] = x["kv_pos"] + 100  # every key after every query
+    loss, grads = loss_and_grads(reference_kernels, x, 0.1, "cuda")
+    assert float(loss) == 0.0
+    for g in grads:
+        assert not np.any(np.asarray(g))
+
+
 def test_glue_without_any_support_is_zero(reference_kernels):
     x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6)
     x["idx"][:] = -1
@@ -275,14 +318,17 @@ def test_glue_without_any_support_is_zero(reference_kernels):
         assert not np.any(np.asarray(g))
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"dp": 2, "cp": 2, "tp": 2}])
-def test_glue_under_sharding_matches_unsharded(reference_kernels, sizes):
+@pytest.mark.parametrize("sizes,dense", [({"tp": 2}, False), ({"dp": 2, "cp": 2, "tp": 2}, False),
+                                         ({"dp": 2, "cp": 2, "tp": 2}, True)])
+def test_glue_under_sharding_matches_unsharded(reference_kernels, monkeypatch, sizes, dense):
     """Heads split over tp (the target's head mean psum-ed across shards), rows over cp, batch
-    over dp: the same loss and gradients as unsharded."""
+    over dp: the same loss and gradients as unsharded (the dense form: with its residuals)."""
     n = int(np.prod(list(sizes.values())))
     if len(jax.devices()) < n:
         pytest.skip(f"needs {n} devices")
-    x = make_inputs(np.random.default_rng(3), 2, 16, 16, 8, 512, 4, 9)
+    monkeypatch.setattr(kl_loss_cuda, "CHUNK", 8)
+    x = (dense_inputs(np.random.default_rng(3), 2, 16, 16, 8, 512, 4) if dense
+         else make_inputs(np.random.default_rng(3), 2, 16, 16, 8, 512, 4, 9))
     want_l, want_g = loss_and_grads(reference_kernels, x, 0.2, "cuda")
     mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes),
                          axis_types=(AxisType.Auto,) * len(sizes), devices=jax.devices()[:n])
@@ -296,7 +342,7 @@ def test_glue_under_sharding_matches_unsharded(reference_kernels, sizes):
                kv_pos=sp("dp", "cp"), q_seg=sp("dp", "cp"), kv_seg=sp("dp", "cp"),
                idx=sp("dp", "cp", None))
     with jax.set_mesh(mesh):
-        xs = {k: jax.device_put(v, put[k]) for k, v in x.items()}
+        xs = {k: v if k == "dense" else jax.device_put(v, put[k]) for k, v in x.items()}
         got_l, got_g = loss_and_grads(reference_kernels, xs, 0.2, "cuda")
     np.testing.assert_allclose(got_l, want_l, rtol=1e-5)
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
@@ -376,11 +422,32 @@ def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
     assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
 
 
-def test_dense_form_is_refused(cuda_op):
-    x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6)
-    with pytest.raises(ValueError, match="sparse form only"):
-        cuda_op(x["iq"], x["ik"], x["iw"], x["q"], x["kv"], sm_scale=0.1, q_positions=x["q_pos"],
-                kv_positions=x["kv_pos"], implementation="cuda")
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
+    """The dense form: the score, target and backward kernels on [S_q, 2048] chunks inside
+    loops, the dense forward only without attention_lse, and no [S_q, S_kv] array anywhere."""
+    monkeypatch.setattr(kl_loss_cuda, "native_unavailable", lambda *a: None)
+    f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    sds = jax.ShapeDtypeStruct
+    nb, s, h, d_qk, h_i = 1, 5000, 64, 576, 32
+    args = (sds((nb, s, h_i, 128), bf), sds((nb, s, 128), bf), sds((nb, s, h_i), f32),
+            sds((nb, s, h, d_qk), bf), sds((nb, s, d_qk), bf), sds((nb, s), i32),
+            sds((nb, s, h), f32))
+
+    def loss(iq, ik, iw, q, kv, pos, lse):
+        return cuda_op(iq, ik, iw, q, kv, sm_scale=0.07, q_positions=pos, kv_positions=pos,
+                       attention_lse=lse if given_lse else None, implementation="cuda")
+
+    text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    names = re.findall(r"stablehlo.custom_call @(\w+)", text)
+    assert {"jax_dsa_sparse_mla_target_cuda", kl_loss_cuda.SCORE_TARGET,
+            kl_loss_cuda.BWD_TARGET} <= set(names), names
+    assert ("jax_dsa_dense_mla_fwd_cuda" in names) != given_lse
+    assert kl_loss_cuda.FWD_TARGET not in names
+    assert "stablehlo.while" in text
+    assert f"tensor<{s}x2048xf32>" in text  # the chunk
+    assert not re.search(rf"tensor<(\d+x)*{s}x{s}(x\d+)*x", text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +484,23 @@ def test_gpu_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segm
     sm_scale = d_qk ** -0.5
     loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda")
     ref = numpy_oracle(x, sm_scale)
+    assert abs(float(loss) - ref[0]) <= 1e-3 * abs(ref[0])
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:]):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        assert rel_l2(a, b) <= 1e-2, name
+
+
+@pytest.mark.parametrize("nb,s,h,d_qk,h_i,segments,given_lse", [
+    (1, 2300, 16, 576, 32, False, True),   # two chunks, the second partial
+    (2, 700, 80, 512, 64, True, False),    # packed documents, two head groups, lse recomputed
+])
+def test_gpu_dense_matches_float64_oracle(gpu_op, nb, s, h, d_qk, h_i, segments, given_lse):
+    x = dense_inputs(np.random.default_rng(s + h), nb, s, s, h, d_qk, h_i, segments,
+                     shuffle=segments)
+    sm_scale = d_qk ** -0.5
+    lse = attention_lse(x, sm_scale) if given_lse else None
+    loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda", lse=lse)
+    ref = numpy_oracle(x, sm_scale, block=64)
     assert abs(float(loss) - ref[0]) <= 1e-3 * abs(ref[0])
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:]):
         assert np.all(np.isfinite(np.asarray(a))), name

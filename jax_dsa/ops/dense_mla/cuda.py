@@ -8,7 +8,15 @@ visible to query ``t`` are exactly the sorted rows ``[lo_t, hi_t)`` with ``lo_t`
 (found by a vectorised binary search, ``log2(S_kv)`` gathers). The kernel then reads rows
 ``lo_t + j`` for ``j < hi_t - lo_t``: no slot list, no ``[S_q, S_kv]`` array, work proportional to
 the visible pairs. For the usual packing (segments in runs, positions rising) the sort is the
-identity. The backward is ``"xla"``'s (it recomputes the probabilities from the saved ``lse``).
+identity.
+
+The backward is the cuDNN frontend's SM90 DSA backward (the one behind ``sparse_mla``'s
+``"cuda"`` backward) over chunks of ``BWD_CHUNK`` key columns (``lax.scan``): chunk ``c`` of every
+query's run serves as its slot list (valid slots first, the row's count as ``topk_length``).
+With the full row's ``lse`` (the sink folded in) and the kernel's ``rowsum(dout * out)``, each
+chunk's ``dq`` and ``dkv`` are exact partial sums, added in float32; rows with no key in a chunk
+get ``lse = +inf`` (zero probabilities). The sink's gradient, which depends on no key, is formed
+once here.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import numpy as np
 from jax_dsa import kernel_spec
 from jax_dsa.ops.dense_mla.config import Call, Config
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
-from jax_dsa.ops.sparse_mla.cuda import pad_heads
+from jax_dsa.ops.sparse_mla.cuda import cuda_backward_rows, pad_heads, slot_bucket
 
 DENSE_FWD_TARGET = "jax_dsa_dense_mla_fwd_cuda"
 
@@ -126,6 +134,80 @@ def cuda_dense_target(q, kv, q_pos, kv_pos, q_seg, kv_seg, lse, *, sm_scale):
     return jnp.where(live, mass, 0), perm
 
 
+BWD_CHUNK = 8192  # key columns per backward kernel call (its wide variant past 2048)
+
+
+def cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *,
+                        sm_scale):
+    """``(dq [B, S_q, H, D_qk], dkv [B, S_kv, D_qk])`` float32 and ``d_attn_sink [H]`` float32
+    of the dense forward, from its ``out`` and ``lse`` (natural log, sink-free, +inf for rows
+    without keys) and ``dout [B, S_q, H, d_v]``; see the module docstring."""
+    nb, s_q, h, d_qk = q.shape
+    s_kv, d_v = kv.shape[1], out.shape[-1]
+    f32, bf = jnp.float32, jnp.bfloat16
+    perm, lo, count = dense_runs(q_pos, kv_pos, q_seg, kv_seg)
+    sink, lse = attn_sink.astype(f32), lse.astype(f32)
+    has_key = jnp.isfinite(lse)
+    lse_full = jnp.where(has_key, jnp.logaddexp(lse, sink), jnp.inf)
+    delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1)  # rowsum(dout * out)
+    # exp(sink - lse_full) as a sigmoid: finite (1) for a sink of +inf.
+    d_sink = -jnp.sum(jnp.where(has_key, jax.nn.sigmoid(sink - lse), 0) * delta, axis=(0, 1))
+
+    q, lse_full, hp = pad_heads(q, lse_full, jnp.inf)
+    pad = ((0, 0), (0, 0), (0, hp - h), (0, 0))
+    t = nb * s_q
+    out = jnp.pad(out.astype(bf), pad).reshape(t, hp, d_v)
+    dout = jnp.pad(dout.astype(bf), pad).reshape(t, hp, d_v)
+    q = q.reshape(t, hp, d_qk)
+    kv = kv.astype(bf).reshape(nb * s_kv, d_qk)
+    no_sink = jnp.full((hp,), -jnp.inf, f32)
+    width = min(BWD_CHUNK, s_kv)
+    bucket = slot_bucket(width)
+    cols = jnp.arange(bucket, dtype=jnp.int32)
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+
+    def body(carry, c):
+        first = c * width
+        n = jnp.clip(count - first, 0, width)
+        at = jnp.minimum(lo[..., None] + first + cols, s_kv - 1)
+        rows = jnp.where(cols < n[..., None], jax.vmap(lambda p, i: p[i])(perm, at) + offset, -1)
+        # a row without keys here: one slot (row 0 of its batch element), zero probabilities
+        rows = rows.at[..., 0].set(jnp.where(n > 0, rows[..., 0], offset[..., 0]))
+        lse_c = jnp.where((n > 0)[..., None], lse_full, jnp.inf)
+        dq, dkv, _ = cuda_backward_rows(q, kv, out, dout, lse_c.reshape(t, hp), no_sink,
+                                        rows.reshape(t, bucket), jnp.maximum(n, 1).reshape(t),
+                                        sm_scale=sm_scale)
+        return (carry[0] + dq.astype(f32), carry[1] + dkv.astype(f32)), None
+
+    init = (jnp.zeros((t, hp, d_qk), f32), jnp.zeros((nb * s_kv, d_qk), f32))
+    (dq, dkv), _ = jax.lax.scan(body, init, jnp.arange(-(-s_kv // width), dtype=jnp.int32))
+    return (dq.reshape(nb, s_q, hp, d_qk)[:, :, :h], dkv.reshape(nb, s_kv, d_qk), d_sink)
+
+
+def reference_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
+    """:func:`jax_dsa.ops.sparse_mla.cuda.cuda_backward_rows`'s contract in pure JAX, in float32
+    (gathers ``[T, Kb, D_qk]``: small shapes only; for tests)."""
+    f32 = jnp.float32
+    d_v = out.shape[-1]
+    valid = (rows >= 0) & (jnp.arange(rows.shape[1]) < length[:, None])
+    safe = jnp.where(valid, rows, 0)
+    kr = kv.astype(f32)[safe]
+    hi = jax.lax.Precision.HIGHEST
+    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=hi)
+    qf, of, dof = q.astype(f32), out.astype(f32), dout.astype(f32)
+    lse = jnp.logaddexp(lse, sink)
+    p = jnp.where(valid[:, None], jnp.exp(ein("thd,tkd->thk", qf, kr) * sm_scale - lse[..., None]),
+                  0)
+    delta = jnp.sum(dof * of, axis=-1)
+    ds = p * (ein("thv,tkv->thk", dof, kr[..., :d_v]) - delta[..., None])
+    dq = ein("thk,tkd->thd", ds, kr) * sm_scale
+    dk = ein("thk,thd->tkd", ds, qf) * sm_scale
+    dk = dk.at[..., :d_v].add(ein("thk,thv->tkv", p, dof))
+    dkv = jnp.zeros(kv.shape, f32).at[safe.reshape(-1)].add(
+        jnp.where(valid[..., None], dk, 0).reshape(-1, kv.shape[1]))
+    return dq, dkv, -jnp.sum(jnp.exp(sink - lse) * delta, axis=0)
+
+
 def supported(call: Call) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the kernels' widths and heads first (told even where
     they are not built), then the build, then the GPU."""
@@ -146,4 +228,10 @@ def _forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, config: Config):
     return out.astype(q.dtype), lse
 
 
-IMPLEMENTATION = Implementation("cuda", supported, _forward, None, platforms=("gpu",))
+def _backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, out, lse, dout, config: Config):
+    dq, dkv, d_sink = cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, out, lse,
+                                          dout, sm_scale=config.sm_scale)
+    return dq.astype(q.dtype), dkv.astype(kv.dtype), d_sink.astype(sink.dtype)
+
+
+IMPLEMENTATION = Implementation("cuda", supported, _forward, _backward, platforms=("gpu",))

@@ -22,7 +22,7 @@ from jax_dsa.ops.indexer.kl_vjp import (
 )
 from jax_dsa.ops.registry import Registry
 
-# On a GPU the sparse form runs on "cuda"; the dense form (warm-up) on "xla".
+# On a GPU both forms run on "cuda" where its limits allow, else on "xla".
 REGISTRY = Registry("indexer_kl_loss", (kl_loss_xla.IMPLEMENTATION, kl_loss_cuda.IMPLEMENTATION),
                     preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
 
@@ -94,9 +94,10 @@ def indexer_kl_loss(
         :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
-        pure JAX, any platform. ``"cuda"``: SM90 kernels for the sparse form
+        pure JAX, any platform. ``"cuda"``: SM90 kernels
         (:mod:`~jax_dsa.ops.indexer.kl_loss_cuda`; the main and index tensors rounded to
-        bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128, K <= 2048).
+        bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128, K <= 2048; the dense form in
+        chunks of 2048 keys, never an ``[S_q, S_kv]`` buffer, fastest with ``attention_lse``).
 
     Returns:
       A scalar: float32, or float64 when an input is float64 (under x64).

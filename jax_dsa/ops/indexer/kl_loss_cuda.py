@@ -26,8 +26,19 @@ operands; ``KLCall.dtype`` is the promoted dtype of all float inputs, float32 wi
 weights), ``index_weights`` stays float32, every product accumulates in float32. In the backward
 ``G = dI * w * 1[iq . ik > 0]`` is rounded to bfloat16 for its two tensor-core products.
 
-Limits: the sparse form only, ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` (local
-heads), ``index_n_heads <= 64``, ``K <= 2048``, an SM90 GPU.
+The dense form (``indices=None``, the warm-up stage) runs the same three kernels over chunks of
+``CHUNK`` key columns (``lax.scan``): each query's visible keys, ordered by (segment, position)
+as in :func:`jax_dsa.ops.dense_mla.cuda.dense_runs`, cut into chunks of 2048 that serve as slot
+lists (valid slots first, the target kernel stopping at each row's count, kernels A and B
+skipping empty tiles). The forward carries flash-style row statistics across the chunks (the
+target's total, ``sum p (log p - I)`` and the index score's running log-sum-exp) and saves the
+total and the log-sum-exp as residuals, so the backward is one more pass (target, score, kernel
+B per chunk). No buffer is larger than ``[S_q, CHUNK]``. The denominators are
+``attention_lse`` when given (``dense_mla``'s lse), else the dense attention forward's
+(``jax_dsa.ops.dense_mla.cuda.cuda_dense_forward``, run once more per pass).
+
+Limits: ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` (local heads),
+``index_n_heads <= 64``, ``K <= 2048`` (sparse form), an SM90 GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa.ops.indexer.common import masked_log_softmax
+from jax_dsa.ops.dense_mla.cuda import cuda_dense_forward, dense_runs
+from jax_dsa.ops.indexer.common import masked_log_softmax, visible_mask
 from jax_dsa.ops.indexer.config import KLCall
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.ops.sparse_mla.cuda import cuda_target
@@ -51,6 +63,7 @@ MAX_HEADS = 128
 MAX_INDEX_HEADS = 64
 MAX_TOPK = 2048
 HEAD_GROUP = 64  # main heads per forward CTA tile: the mass comes per group of 64
+CHUNK = MAX_TOPK  # key columns per pass of the dense form
 
 def module_error():
     """Why the ``_cuda_indexer`` module is not available in this install (None when loaded)."""
@@ -59,9 +72,6 @@ def module_error():
 
 def support_error(call: KLCall) -> str | None:
     """Why the kernels cannot take ``call`` (its shapes and dtype), or None."""
-    if call.topk is None:
-        return ("implementation='cuda' takes the sparse form only (indices=...); the dense form "
-                "runs on 'xla'")
     if call.d_qk not in KERNEL_D_QK:
         return f"implementation='cuda' supports D_qk in {KERNEL_D_QK}, got {call.d_qk}"
     if call.index_head_dim != INDEX_HEAD_DIM:
@@ -72,7 +82,7 @@ def support_error(call: KLCall) -> str | None:
                 f"{call.index_n_heads}")
     if call.h > MAX_HEADS:
         return f"implementation='cuda' supports at most {MAX_HEADS} heads, got H={call.h}"
-    if call.topk > MAX_TOPK:
+    if call.topk is not None and call.topk > MAX_TOPK:
         return f"implementation='cuda' supports at most {MAX_TOPK} slots (K), got {call.topk}"
     if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return (f"implementation='cuda' computes in float32 from bfloat16 operands; got "
@@ -84,7 +94,8 @@ def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
     return (support_error(call) or module_error()
-            or (native_unavailable("cuda", "_cuda") if call.given_lse else None)
+            or (native_unavailable("cuda", "_cuda") if call.given_lse or call.topk is None
+                else None)
             or sm90_device_error())
 
 
@@ -147,10 +158,20 @@ def score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
     return score.reshape(nb, s_q, k)
 
 
-def target_kernel(q, kv, idx, lse, *, sm_scale):
+def target_kernel(q, kv, idx, lse, *, sm_scale, topk_length=None):
     """The target's unnormalised head sum ``[NB, S_q, K]`` from given denominators (the
-    attention kernel's target mode)."""
-    return cuda_target(q, kv, idx, lse, sm_scale=sm_scale)
+    attention kernel's target mode; slots past ``topk_length [NB, S_q]`` are skipped and their
+    mass left unwritten)."""
+    return cuda_target(q, kv, idx, lse, sm_scale=sm_scale, topk_length=topk_length)
+
+
+def dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
+    """The dense attention's natural-log denominators ``[NB, S_q, H]`` float32 (+inf for a row
+    without visible keys): the dense forward kernel, its output discarded."""
+    d_v = 512
+    sink = jnp.full((q.shape[2],), -jnp.inf, jnp.float32)
+    return cuda_dense_forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, sm_scale=sm_scale,
+                              d_v=d_v)[1]
 
 
 def backward_kernel(iq, ik, iw, idx, dscore):
@@ -179,7 +200,7 @@ def backward_kernel(iq, ik, iw, idx, dscore):
 
 # The kernels this module calls (tests swap in the pure-JAX references below on CPU).
 KERNELS = {"forward": forward_kernel, "backward": backward_kernel, "score": score_kernel,
-           "target": target_kernel}
+           "target": target_kernel, "dense_lse": dense_lse_kernel}
 
 
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
@@ -221,8 +242,10 @@ def reference_score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
                                     idx, sm_scale=1.0)[1]
 
 
-def reference_target_kernel(q, kv, idx, lse, *, sm_scale):
-    """:func:`target_kernel`'s contract in pure JAX (small shapes only; for tests)."""
+def reference_target_kernel(q, kv, idx, lse, *, sm_scale, topk_length=None):
+    """:func:`target_kernel`'s contract in pure JAX (small shapes only; for tests; writes every
+    slot, so ``topk_length`` is not needed)."""
+    del topk_length
     f32, bf = jnp.float32, jnp.bfloat16
     s_kv = kv.shape[1]
     valid = (idx >= 0) & (idx < s_kv)
@@ -231,6 +254,17 @@ def reference_target_kernel(q, kv, idx, lse, *, sm_scale):
                         precision=jax.lax.Precision.HIGHEST) * sm_scale
     mass = jnp.sum(jnp.exp(logits - lse.astype(f32)[..., None]), axis=2)
     return jnp.where(valid, mass, 0)
+
+
+def reference_dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
+    """:func:`dense_lse_kernel`'s contract in pure JAX (``[NB, S_q, H, S_kv]`` logits: small
+    shapes only; for tests)."""
+    f32, bf = jnp.float32, jnp.bfloat16
+    logits = jnp.einsum("bshd,btd->bsht", q.astype(bf).astype(f32), kv.astype(bf).astype(f32),
+                        precision=jax.lax.Precision.HIGHEST) * sm_scale
+    vis = visible_mask(q_pos, kv_pos, q_seg, kv_seg)[:, :, None, :]
+    lse = jax.nn.logsumexp(jnp.where(vis, logits, -jnp.inf), axis=-1)
+    return jnp.where(jnp.any(vis, axis=-1), lse, jnp.inf)
 
 
 def reference_backward_kernel(iq, ik, iw, idx, dscore):
@@ -280,20 +314,100 @@ def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, r
     return mass / jnp.float32(config.h), score, idx
 
 
-def _check(idx, q):
-    if idx is None:
-        raise NotImplementedError(
-            "indexer_kl_loss: implementation='cuda' takes the sparse form only (indices=...)")
+def _check(q):
     if q.shape[2] > MAX_HEADS:
         raise ValueError(f"indexer_kl_loss: implementation='cuda' takes at most {MAX_HEADS} local "
                          f"heads, got {q.shape[2]}")
 
 
+def _exp_from(x, m):
+    """``exp(x - m)``, 0 where ``x`` is ``-inf`` (also when ``m`` is)."""
+    return jnp.where(x == -jnp.inf, 0.0, jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)))
+
+
+def _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
+                  init):
+    """Runs ``carry = step(carry, idx, p, score)`` over the dense form's key chunks (see the
+    module docstring): ``idx [NB, S_q, CHUNK']`` the chunk's keys (-1 past a row's), ``p`` the
+    target's head sum (every head shard's; 0 off the support), ``score`` the index score (-inf
+    off it). Returns ``(carry, visible key count [NB, S_q])``."""
+    s_kv = kv.shape[1]
+    width = min(CHUNK, s_kv)
+    if lse is None:
+        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
+    perm, lo, count = dense_runs(q_pos, kv_pos, q_seg, kv_seg)
+    cols = jnp.arange(width, dtype=jnp.int32)
+
+    def body(carry, c):
+        first = c * width
+        n = jnp.clip(count - first, 0, width)
+        at = jnp.minimum(lo[..., None] + first + cols, s_kv - 1)
+        idx = jnp.where(cols < n[..., None], jax.vmap(lambda p, i: p[i])(perm, at), -1)
+        score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
+        mass = jnp.where(score != -jnp.inf, mass, 0)  # columns past n: unwritten
+        if layout.heads:
+            mass = jax.lax.psum(mass, layout.heads)
+        return step(carry, idx, mass, score), None
+
+    carry, _ = jax.lax.scan(body, init, jnp.arange(-(-s_kv // width), dtype=jnp.int32))
+    return carry, count
+
+
+def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config):
+    rows = iq.shape[:2]
+
+    def step(carry, idx, mass, score):
+        total, cross, mx, se = carry
+        total = total + jnp.sum(mass, axis=-1)
+        pos = mass > 0
+        cross = cross + jnp.sum(
+            jnp.where(pos, mass * (jnp.log(jnp.where(pos, mass, 1)) - score), 0), axis=-1)
+        new = jnp.maximum(mx, jnp.max(score, axis=-1))
+        se = se * _exp_from(mx, new) + jnp.sum(_exp_from(score, new[..., None]), axis=-1)
+        return total, cross, new, se
+
+    zero = jnp.zeros(rows, jnp.float32)
+    (total, cross, mx, se), count = _dense_chunks(
+        layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
+        (zero, zero, jnp.full(rows, -jnp.inf, jnp.float32), zero))
+    has = count > 0
+    ok = has & (total > 0)
+    total = jnp.where(ok, total, 1)
+    lse_i = jnp.where(ok, mx + jnp.log(jnp.where(ok, se, 1)), 0)
+    # KL = sum p^ (log p^ - I + lse_I) with p^ = mass / total
+    kl = jnp.where(ok, cross / total - jnp.log(total) + lse_i, 0)
+    return (jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1),
+            jnp.stack([total, lse_i], axis=-1))
+
+
+def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
+                    residuals):
+    total, lse_i = residuals[..., 0], residuals[..., 1]
+    g = g.astype(jnp.float32)[:, None, None]
+
+    def step(carry, idx, mass, score):
+        support = score != -jnp.inf
+        pi = _exp_from(score, lse_i[..., None])
+        dscore = jnp.where(support, g * (pi - mass / total[..., None]), 0)
+        return tuple(a + b for a, b in zip(carry, KERNELS["backward"](iq, ik, iw, idx, dscore)))
+
+    f32 = jnp.float32
+    init = (jnp.zeros(iq.shape, f32), jnp.zeros(ik.shape, f32), jnp.zeros(iw.shape, f32))
+    grads, _ = _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
+                             step, init)
+    return grads
+
+
 def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
-    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows.
-    ``rest``: the slots (after ``attention_lse`` when given), then the :class:`KLConfig`."""
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows (and
+    for the dense form the backward's residuals ``[NB, S_q, 2]``). ``rest``: the slots (after
+    ``attention_lse`` when given; ``None`` in the dense form), then the :class:`KLConfig`."""
     *rest, config = rest
-    _check(rest[-1], q)
+    _check(q)
+    if rest[-1] is None:
+        lse = rest[0] if config.given_lse else None
+        return _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config)
     p, score, _ = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
                                     rest, config)
     support = score != -jnp.inf
@@ -306,11 +420,15 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
             jnp.sum(has.astype(jnp.int32), axis=-1))
 
 
-def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
+def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest, residuals=None):
     """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
     KL sums (``d index_k`` a partial sum over this shard's rows)."""
     *rest, config = rest
-    _check(rest[-1], q)
+    _check(q)
+    if rest[-1] is None:
+        lse = rest[0] if config.given_lse else None
+        return _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                               config, residuals)
     p, score, idx = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
                                       rest, config)
     support = score != -jnp.inf

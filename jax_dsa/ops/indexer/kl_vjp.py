@@ -8,6 +8,10 @@ An implementation computes, per shard, each batch element's KL sum and row count
 over the local rows, reduced here), and in its backward the gradients for ``index_q``,
 ``index_k`` (a partial sum over the local rows, reduce-scattered along the sequence) and
 ``index_weights``. ``q``, ``kv`` and ``attention_lse`` take no gradient (the detached target).
+
+A forward may also return per-row residuals ``[NB, S_q, R]`` float32 (e.g. the dense form's
+softmax statistics, so that its backward needs one pass over the keys instead of two); they
+reach its backward as ``residuals=``. A forward that returns two results saves none.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from jax_dsa.sharding.partition import Result, partitioned_call, typed_like
 
 ROLES = TOPK_ROLES + ("bsh.", "bt.", "bs.")
 V4_ROLES = ROLES[:-1] + ("bsh", "bs.")  # + attention_lse before the slots
-RESULTS = (Result("b", "s"), Result("b", "s"))  # per batch element: KL sum, row count
+# per batch element: KL sum, row count; per row: the forward's residuals for the backward
+RESULTS = (Result("b", "s"), Result("b", "s"), Result("bs."))
 GRAD_RESULTS = (Result("bs.."), Result("bT."), Result("bs."))  # d index_q, index_k, weights
 
 
@@ -34,22 +39,38 @@ def kl_call(name, config, roles, *args):
     return _kl(name, config, roles, *args)
 
 
+def _forward(name, config, roles, args):
+    impl = config.implementation
+
+    def local(layout, *a):
+        out = tuple(impl.forward(layout, *a, config))
+        if len(out) == 2:  # no residuals
+            out += (jnp.zeros(a[0].shape[:2] + (0,), jnp.float32),)
+        return out
+
+    return partitioned_call(name, local, args, roles, RESULTS)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _kl(name, config, roles, *args):
-    impl = config.implementation
-    return partitioned_call(name, lambda layout, *a: impl.forward(layout, *a, config), args,
-                            roles, RESULTS)
+    return _forward(name, config, roles, args)[:2]
 
 
 def _kl_fwd(name, config, roles, *args):
-    return _kl(name, config, roles, *args), args
+    kl, count, residuals = _forward(name, config, roles, args)
+    return (kl, count), (args, residuals)
 
 
-def _kl_bwd(name, config, roles, args, cotangents):
+def _kl_bwd(name, config, roles, saved, cotangents):
     impl = config.implementation
-    grads = partitioned_call(
-        f"{name} backward", lambda layout, g, *a: impl.backward(layout, g, *a, config),
-        (cotangents[0],) + args, ("b",) + roles, GRAD_RESULTS)
+    args, residuals = saved
+    if residuals.shape[-1]:
+        local = lambda layout, g, r, *a: impl.backward(layout, g, *a, config, residuals=r)
+        operands, grad_roles = (cotangents[0], residuals) + args, ("b", "bs.") + roles
+    else:
+        local = lambda layout, g, *a: impl.backward(layout, g, *a, config)
+        operands, grad_roles = (cotangents[0],) + args, ("b",) + roles
+    grads = partitioned_call(f"{name} backward", local, operands, grad_roles, GRAD_RESULTS)
     # Reduced in the implementation's accumulation dtype, cast once to the primal's.
     grads = tuple(typed_like(g.astype(x.dtype), x) for g, x in zip(grads, args))
     return grads + (None,) * (len(args) - 3)

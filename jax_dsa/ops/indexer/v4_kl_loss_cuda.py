@@ -51,6 +51,9 @@ def module_error():
 def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
+    if call.topk is None:
+        return ("implementation='cuda' takes the sparse form only (indices=...); the dense form "
+                "runs on 'xla'")
     return kl_loss_cuda.support_error(call) or module_error() or sm90_device_error()
 
 

@@ -135,12 +135,14 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
 CUDA_TARGET_TARGET = "jax_dsa_sparse_mla_target_cuda"
 
 
-def cuda_target(q, kv, indices, lse, *, sm_scale):
+def cuda_target(q, kv, indices, lse, *, sm_scale, topk_length=None):
     """The indexer loss's target from the forward kernel's target mode: ``mass [B, S_q, K]``
     float32 with ``mass[b, t, j] = sum_h exp(sm_scale * q[b, t, h] . kv[b, idx] - lse[b, t, h])``
     for valid slots (``0 <= idx < S_kv``; 0 for the others), from ``q [B, S_q, H, D_qk]``,
     ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` and ``lse [B, S_q, H]`` (natural log; +inf
-    for a head without slots). One pass of Q K^T on the tensor cores, no P V.
+    for a head without slots). One pass of Q K^T on the tensor cores, no P V. ``topk_length
+    [B, S_q]`` (optional): slots past it are skipped (their mass is not written: 0 here only
+    where the caller masks it).
 
     Glue as :func:`cuda_forward` (batch folded, slots padded to a multiple of 4, heads padded
     with zero q and lse +inf); the kernel's per-64-head-group sums are added here."""
@@ -155,7 +157,10 @@ def cuda_target(q, kv, indices, lse, *, sm_scale):
                             jax.ShapeDtypeStruct((t * groups, k4), jnp.float32),
                             vmap_method="sequential")
     mass = call(q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk),
-                idx.reshape(t, k4), jnp.full((t,), k4, jnp.int32), lse.reshape(t, hp),
+                idx.reshape(t, k4),
+                (jnp.full((t,), k4, jnp.int32) if topk_length is None
+                 else topk_length.astype(jnp.int32).reshape(t)),
+                lse.reshape(t, hp),
                 sm_scale=np.float32(sm_scale))
     return jnp.sum(mass.reshape(nb, s_q, groups, k4), axis=2)[..., :k]
 
@@ -213,23 +218,36 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
         sink = jnp.pad(sink, (0, hp - h), constant_values=-jnp.inf)
 
     t = nb * s_q
-    ws = cuda_workspace_bytes(t, nb * s_kv, hp, d_qk)
+    dq, dkv, dsink = cuda_backward_rows(
+        q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
+        dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
+        length.reshape(t), sm_scale=sm_scale)
+    dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
+    return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
+
+
+def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
+    """The backward kernel's call on folded, padded operands: ``q [T, Hp, D_qk]``, ``kv [R,
+    D_qk]``, ``out`` / ``dout [T, Hp, d_v]`` bfloat16, ``lse [T, Hp]`` and ``sink [Hp]`` float32,
+    ``rows [T, Kb]`` int32 (kv rows, the valid ones first and -1 after; ``Kb`` a slot bucket)
+    and ``length [T]`` (each row's valid count, >= 1). Returns ``(dq [T, Hp, D_qk] bf16, dkv [R,
+    D_qk] bf16, d_sink [Hp] float32)``."""
+    t, hp, d_qk = q.shape
+    ws = cuda_workspace_bytes(t, kv.shape[0], hp, d_qk)
+    bf = jnp.bfloat16
     call = jax.ffi.ffi_call(
         CUDA_BWD_TARGET,
         (
             jax.ShapeDtypeStruct((t, hp, d_qk), bf),
-            jax.ShapeDtypeStruct((nb * s_kv, d_qk), bf),
+            jax.ShapeDtypeStruct(kv.shape, bf),
             jax.ShapeDtypeStruct((hp,), jnp.float32),
             jax.ShapeDtypeStruct((ws,), jnp.uint8),
         ),
         vmap_method="sequential",
     )
-    dq, dkv, dsink, _ = call(
-        q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
-        dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
-        length.reshape(t), sm_scale=np.float32(sm_scale))
-    dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
-    return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
+    dq, dkv, dsink, _ = call(q, kv, out, dout, lse, sink, rows, length,
+                             sm_scale=np.float32(sm_scale))
+    return dq, dkv, dsink
 
 
 def supported(call: Call) -> str | None:
