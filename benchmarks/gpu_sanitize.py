@@ -2,14 +2,18 @@
 synccheck) on an SM90 GPU:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck \
-        python benchmarks/gpu_sanitize.py
+        python benchmarks/gpu_sanitize.py [--only-dense]
 
 The forward kernel's slot-list, contiguous (dense_mla) and target modes, the backward's bucket
-and wide variants, indexer_topk, and the sparse KL loss's kernels (kernel A, its score-only
-launch, kernel B). Shapes: partial tiles, invalid slots, a row without any, two head groups.
+and wide variants, indexer_topk, the sparse KL loss's kernels (kernel A, its score-only launch,
+kernel B), and the dense forms' chunked launches (dense_mla's backward, the dense KL loss, with
+chunks cut small so that rows end inside and before a chunk). Shapes: partial tiles, invalid
+slots, a row without any, two head groups.
 """
 
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +21,11 @@ import numpy as np
 
 from jax_dsa import dense_mla, indexer_kl_loss, indexer_topk, sparse_mla
 from jax_dsa.ops.dense_mla import cuda as dense_cuda
+from jax_dsa.ops.indexer import kl_loss_cuda
 from jax_dsa.ops.sparse_mla import cuda as sparse_cuda
 
 
-def main():
+def main(only_dense=False):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     s, h, d, k = 150, 128, 576, 2052  # two head groups; K past the last bucket: the wide kernel
@@ -34,9 +39,10 @@ def main():
         out, lse = sparse_mla(q, kv, idx, sm_scale=0.05, implementation="cuda")
         return jnp.sum(out.astype(jnp.float32)) + 0 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    jax.block_until_ready(jax.jit(jax.grad(f, (0, 1)))(q, kv))
-    lse = sparse_mla(q, kv, idx, sm_scale=0.05, implementation="cuda")[1]
-    jax.block_until_ready(sparse_cuda.cuda_target(q, kv, idx, lse, sm_scale=0.05))
+    if not only_dense:
+        jax.block_until_ready(jax.jit(jax.grad(f, (0, 1)))(q, kv))
+        lse = sparse_mla(q, kv, idx, sm_scale=0.05, implementation="cuda")[1]
+        jax.block_until_ready(sparse_cuda.cuda_target(q, kv, idx, lse, sm_scale=0.05))
 
     seg = (np.arange(s) >= 70).astype(np.int32)[None]
     pos = (np.arange(s) - 70 * seg[0])[None].astype(np.int32)
@@ -51,13 +57,21 @@ def main():
     top = indexer_topk(iq, ik, w, topk=64, implementation="cuda", **kw)
     qm, kvm = q[:, :, :64], kv[:, :s]
     lse_m = sparse_mla(qm, kvm, top, sm_scale=0.05, implementation="cuda")[1]
-    for given in (None, lse_m):
+    for given in () if only_dense else (None, lse_m):
         loss = lambda iq, ik, w, given=given: indexer_kl_loss(
             iq, ik, w, qm, kvm, sm_scale=0.05, indices=top, attention_lse=given,
             implementation="cuda", **kw)
+        jax.block_until_ready(jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(iq, ik, w))
+    dense_cuda.BWD_CHUNK, kl_loss_cuda.CHUNK = 64, 64
+    dense = lambda q, kv: jnp.sum(dense_mla(q, kv, sm_scale=0.05, implementation="cuda",
+                                            **kw)[0].astype(jnp.float32))
+    jax.block_until_ready(jax.jit(jax.grad(dense, (0, 1)))(qm, kvm))
+    for given in (None, lse_d):
+        loss = lambda iq, ik, w, given=given: indexer_kl_loss(
+            iq, ik, w, qm, kvm, sm_scale=0.05, attention_lse=given, implementation="cuda", **kw)
         jax.block_until_ready(jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(iq, ik, w))
     print("sanitize launches done", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(only_dense=sys.argv[1:] == ["--only-dense"])

@@ -19,6 +19,7 @@ from jax_dsa.configs import (
 def test_glm5_small_fits_the_gpu_kernels():
     c = get_config("glm5-small")
     assert (c.d_qk, c.d_v) == (576, 512) and c.softmax_scale == (64 + 64) ** -0.5
+    assert c.index_head_dim == 128 and c.index_n_heads <= 64  # the indexer kernels' widths
     assert c.full_indexer_layers == tuple(range(c.num_hidden_layers))
 
 

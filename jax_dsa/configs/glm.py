@@ -422,8 +422,9 @@ _DEEPSEEK_V32_TINY = dataclasses.replace(
     **_TINY,
 )
 
-# A small byte-level GLM-5 with the real latent widths (d_qk 576, d_v 512), so that the GPU
-# kernels (implementation="cuda") run it: for multi-GPU runs of the training example.
+# A small byte-level GLM-5 with the real latent widths (d_qk 576, d_v 512) and index head width
+# (128), so that every GPU kernel (implementation="cuda") runs it: for GPU runs of the training
+# example.
 _GLM5_SMALL = dataclasses.replace(
     _GLM5_TINY,
     hidden_size=512,
@@ -438,7 +439,7 @@ _GLM5_SMALL = dataclasses.replace(
     v_head_dim=64,
     index_topk=256,
     index_n_heads=8,
-    index_head_dim=64,
+    index_head_dim=128,
     indexer_types=None,
 )
 
