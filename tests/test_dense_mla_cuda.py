@@ -129,6 +129,21 @@ def _gpu_ready():
     return _native.LOAD_ERRORS.get("_cuda") or registry.sm90_device_error()
 
 
+def _gpu_inputs(rng, b, s, h, d, docs):
+    """bf16 q, kv; packed documents in runs with per-document positions; the first five
+    queries see no key."""
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    seg = np.sort(rng.integers(0, docs, (b, s)), axis=1).astype(np.int32)
+    pos = np.zeros((b, s), np.int32)
+    for r in range(b):
+        for i in range(1, s):
+            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+    q_pos = pos.copy()
+    q_pos[:, :5] = -1
+    return q, kv, seg, pos, q_pos
+
+
 @pytest.mark.parametrize("b,s,h,d,docs,sink", [
     (1, 1000, 64, 576, 4, False),  # GLM-5 dims, packed documents, S not a multiple of 64
     (2, 333, 16, 512, 2, True),    # padded heads, V4 width, a sink
@@ -138,15 +153,7 @@ def test_gpu_matches_float64(b, s, h, d, docs, sink):
     if why:
         pytest.skip(str(why))
     rng = np.random.default_rng(s)
-    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
-    seg = np.sort(rng.integers(0, docs, (b, s)), axis=1).astype(np.int32)
-    pos = np.zeros((b, s), np.int32)
-    for r in range(b):
-        for i in range(1, s):
-            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
-    q_pos = pos.copy()
-    q_pos[:, :5] = -1  # rows that see no key
+    q, kv, seg, pos, q_pos = _gpu_inputs(rng, b, s, h, d, docs)
     att = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
     kw = dict(sm_scale=d ** -0.5, q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(pos),
               q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
@@ -176,15 +183,7 @@ def test_gpu_gradients_match_float64(monkeypatch, b, s, h, d, docs, sink, chunk)
     if chunk:
         monkeypatch.setattr(dense_cuda, "BWD_CHUNK", chunk)
     rng = np.random.default_rng(s + 1)
-    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
-    seg = np.sort(rng.integers(0, docs, (b, s)), axis=1).astype(np.int32)
-    pos = np.zeros((b, s), np.int32)
-    for r in range(b):
-        for i in range(1, s):
-            pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
-    q_pos = pos.copy()
-    q_pos[:, :5] = -1  # rows that see no key
+    q, kv, seg, pos, q_pos = _gpu_inputs(rng, b, s, h, d, docs)
     att = jnp.asarray(rng.standard_normal(h) if sink else np.full(h, -np.inf), jnp.float32)
     w = jnp.asarray(rng.standard_normal((b, s, h, 512)), jnp.float32)
     kw = dict(sm_scale=d ** -0.5, q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(pos),
