@@ -2,8 +2,9 @@
 
 from jax_dsa.ops.dense_mla import dense_mla
 from jax_dsa.ops.indexer import indexer_kl_loss, indexer_topk, v4_indexer_kl_loss, visible_mask
+from jax_dsa.ops.sparse_dense_mla import sparse_dense_mla
 from jax_dsa.ops.sparse_mla import sparse_mla
 
-__all__ = ["sparse_mla", "dense_mla", "indexer_topk", "indexer_kl_loss", "v4_indexer_kl_loss",
-           "visible_mask"]
+__all__ = ["sparse_mla", "dense_mla", "sparse_dense_mla", "indexer_topk", "indexer_kl_loss",
+           "v4_indexer_kl_loss", "visible_mask"]
 __version__ = "0.1.0"

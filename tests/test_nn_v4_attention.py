@@ -24,6 +24,7 @@ from flax import nnx
 
 from jax_dsa.configs import get_config
 from jax_dsa.configs.v4 import CSA, HCA, SLIDING, DeepseekV4Config
+from jax_dsa.nn import v4_attention
 from jax_dsa.nn.v4_attention import DeepseekV4Attention, GroupedLinear, unweighted_rms_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,6 +290,44 @@ def test_dense_mode_equals_sparse_when_topk_covers_everything():
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(aux_s["indexer_loss"]), float(aux_d["indexer_loss"]),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_unlisted_entries_equal_the_slot_list(tiny_layers, monkeypatch, mode):
+    """Past MAX_LISTED_ENTRIES (cut to 0 here) HCA and dense CSA list only the window and take
+    every visible compressed row through sparse_dense_mla: the same output, indexer loss and
+    parameter gradients as the [window | compressed] slot list, on packed documents."""
+    c, layers = tiny_layers
+    s = 96
+    x = jax.random.normal(jax.random.key(8), (2, s, c.hidden_size))
+    positions = jnp.asarray(np.concatenate([np.arange(40), np.arange(s - 40)]))[None].repeat(2, 0)
+    segments = jnp.asarray((np.arange(s) >= 40).astype(np.int32))[None].repeat(2, 0)
+
+    def step(attn):
+        graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
+
+        def loss(p):
+            out, aux = nnx.merge(graphdef, p, rest)(x, positions, segments, attention_mode=mode)
+            kl = aux["indexer_loss"] if aux["indexer_loss"] is not None else 0.0
+            return jnp.sum(out * jnp.cos(out)) + kl, (out, aux["indexer_loss"],
+                                                      jnp.max(aux["indices"]))
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    for attn in layers[1:]:  # CSA, HCA
+        (want_v, (want_out, want_kl, want_k)), want_g = step(attn)
+        monkeypatch.setattr(v4_attention, "MAX_LISTED_ENTRIES", 0)
+        (got_v, (got_out, got_kl, got_k)), got_g = step(attn)
+        monkeypatch.undo()
+        listed = attn.layer_type == CSA and mode == "sparse"  # the top-k: a list either way
+        # the slot lists: into the compressed rows (>= s) only where they are listed
+        assert want_k >= s and (got_k >= s) == listed, (attn.layer_type, got_k)
+        assert _rel(got_out, want_out) < 1e-5, attn.layer_type
+        if want_kl is not None:
+            np.testing.assert_allclose(float(got_kl), float(want_kl), rtol=1e-5)
+        for (path, a), (_, b) in zip(nnx.to_flat_state(got_g), nnx.to_flat_state(want_g)):
+            a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+            scale = max(float(np.abs(b).max()), 1e-30)
+            assert float(np.abs(a - b).max()) <= 1e-4 * scale, (attn.layer_type, path)
 
 
 def test_gradients_finite_and_indexer_isolated(tiny_layers):

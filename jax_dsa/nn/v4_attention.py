@@ -16,7 +16,10 @@ sink ``exp(sinks[h])`` in each head's softmax denominator. RoPE: ``rope_theta`` 
 layers, ``compress_rope_parameters`` (YaRN) on compressed layers. The compressed rows come from
 :class:`~jax_dsa.nn.v4_compressor.V4Compressor`; the slot lists from
 :mod:`jax_dsa.nn.v4_slots` (``[window | compressed]``, valid prefix, ``topk_length``, widths on
-the bucket ladder).
+the bucket ladder). Where the compressed part is every visible entry (HCA, and CSA in dense
+mode) and there are more than :data:`MAX_LISTED_ENTRIES` of them, the layer lists the window
+alone and attends to the compressed rows through :func:`jax_dsa.ops.sparse_dense_mla` (the same
+softmax, no ``[S, S / m]`` list).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from jax_dsa.nn.rope import rope_cos_sin
 from jax_dsa.nn.v4_compression import compression_layout, query_segments
 from jax_dsa.nn.v4_compressor import V4Compressor
 from jax_dsa.nn.v4_rope import apply_rope_tail
-from jax_dsa.nn.v4_slots import assemble, slot_width, window
+from jax_dsa.nn.v4_slots import assemble, slot_bucket, slot_width, window
+from jax_dsa.ops.sparse_dense_mla import sparse_dense_mla
 from jax_dsa.ops.sparse_mla import sparse_mla
 from jax_dsa.ops.indexer import V4_KL_REGISTRY, v4_indexer_kl_loss
 from jax_dsa.sharding.constraints import (
@@ -41,6 +45,9 @@ from jax_dsa.sharding.constraints import (
 )
 
 ATTENTION_MODES = ("sparse", "dense")
+# Compressed entries per row up to which "every visible entry" is a slot list (one sparse_mla
+# call); past it, dense_mla over the compressed rows (memory linear in S).
+MAX_LISTED_ENTRIES = 2048
 
 
 def unweighted_rms_norm(x, eps: float):
@@ -179,7 +186,8 @@ class DeepseekV4Attention(nnx.Module):
         Returns:
           ``(out [B, S, hidden_size] in the compute dtype, aux)`` with ``aux["indices"]`` the
           ``[B, S, K]`` int32 slot lists (rows of ``[raw ; compressed]``, ``-1`` padded; ``K``
-          from the bucket ladder), ``aux["topk_length"]`` ``[B, S]`` int32, ``aux["topk"]`` the
+          from the bucket ladder; the window alone where the compressed rows go through
+          ``sparse_dense_mla``, see the module docstring), ``aux["topk_length"]`` ``[B, S]`` int32, ``aux["topk"]`` the
           CSA top-k into the compressed rows (``None`` elsewhere and in dense mode), and
           ``aux["indexer_loss"]`` a float32 scalar
           (:func:`jax_dsa.ops.indexer.v4_indexer_kl_loss`; dense form in dense mode,
@@ -210,6 +218,9 @@ class DeepseekV4Attention(nnx.Module):
         first_row, n_window = window(positions, c.sliding_window)
         width = self.slot_width(s, attention_mode)
         topk = index_qkw = layout = comp = None
+        every_entry = self.layer_type != CSA or attention_mode == "dense"
+        unlisted = (self.compressor is not None and every_entry
+                    and s // self.compressor.ratio > MAX_LISTED_ENTRIES)
         no_entries = self.compressor is not None and s < self.compressor.ratio
         if self.compressor is None or no_entries:  # rows too short to compress: window only
             indices, lengths = assemble(first_row, n_window, width)
@@ -227,6 +238,9 @@ class DeepseekV4Attention(nnx.Module):
                 indices, lengths = assemble(
                     first_row, n_window, width, compressed=topk, compressed_offset=s
                 )
+            elif unlisted:  # the window listed, every visible entry through dense_mla
+                indices, lengths = assemble(first_row, n_window,
+                                            slot_bucket(min(c.sliding_window, s)))
             else:
                 indices, lengths = assemble(
                     first_row, n_window, width, compressed_first=layout.first,
@@ -234,10 +248,19 @@ class DeepseekV4Attention(nnx.Module):
                 )
 
         sinks = self.sinks[...].astype(jnp.float32)
-        o, lse = sparse_mla(
-            q, kv_all, indices, sm_scale=c.softmax_scale, d_v=d, attn_sink=sinks,
-            topk_length=lengths, implementation=implementation,
-        )
+        if unlisted:
+            o, lse = sparse_dense_mla(
+                q, kv, indices, comp, sm_scale=c.softmax_scale, d_v=d, q_positions=positions,
+                kv_dense_positions=layout.positions,
+                q_segment_ids=query_segments(positions, segment_ids),
+                kv_dense_segment_ids=layout.segment_ids, attn_sink=sinks, topk_length=lengths,
+                implementation=implementation,
+            )
+        else:
+            o, lse = sparse_mla(
+                q, kv_all, indices, sm_scale=c.softmax_scale, d_v=d, attn_sink=sinks,
+                topk_length=lengths, implementation=implementation,
+            )
         o = apply_rope_tail(o, cos[:, :, None], -sin[:, :, None])
         sharding = None
         if explicit_axes():  # the groups take the heads' split where it divides them

@@ -116,6 +116,20 @@ def dense_mla(
         or a call that no requested implementation supports (each one's reason listed).
       NotImplementedError: the requested implementations are not built in this install.
     """
+    batch, operands, config = prepare(
+        q, kv, sm_scale=sm_scale, d_v=d_v, q_positions=q_positions, kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, attn_sink=attn_sink,
+        implementation=implementation)
+    s_q, h = operands[0].shape[1:3]
+    out, lse = _dense_mla(*operands, config)
+    return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+
+
+def prepare(q, kv, *, sm_scale, d_v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+            attn_sink, implementation):
+    """The checks of :func:`dense_mla` and its operands on one flattened batch dim:
+    ``(batch, (q, kv, q_pos, kv_pos, q_seg, kv_seg, sink), config)``, as
+    :mod:`~jax_dsa.ops.dense_mla.sharding` takes them (for ops built on this one)."""
     q, kv = jnp.asarray(q), jnp.asarray(kv)
     attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
     impl, (q_pos, kv_pos, q_seg, kv_seg) = _check_args(
@@ -137,8 +151,7 @@ def dense_mla(
     backward_impl = impl if impl.backward is not None else REGISTRY["xla"]
     config = Config(float(sm_scale), int(d_v), impl, backward_impl,
                     xla.default_block_q(s_q, h, s_kv))
-    out, lse = _dense_mla(q3, kv3, q_pos, kv_pos, q_seg, kv_seg, sink, config)
-    return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+    return batch, (q3, kv3, q_pos, kv_pos, q_seg, kv_seg, sink), config
 
 
 def _check_args(q, kv, sm_scale, d_v, attn_sink, implementation, q_positions, kv_positions,

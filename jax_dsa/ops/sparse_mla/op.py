@@ -119,6 +119,24 @@ def sparse_mla(
             f"sparse_mla: return_max_logits must be a Python bool, got {return_max_logits!r}"
         )
     return_max_logits = bool(return_max_logits)
+    batch, operands, config = prepare(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
+                                      attn_sink=attn_sink, topk_length=topk_length,
+                                      implementation=implementation)
+    s_q, h = operands[0].shape[1:3]
+    # One custom_vjp with three outputs: dropping max_logits here lets XLA remove what only it
+    # needs (the xla path's loop output; the handlers' extra [S_q, H] buffer is all it costs).
+    out, lse, max_logits = _sparse_mla(*operands, config)
+    out, lse = out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
+    if return_max_logits:
+        return out, lse, max_logits.reshape(batch + (s_q, h))
+    return out, lse
+
+
+def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementation):
+    """The checks of :func:`sparse_mla` and its operands on one flattened batch dim:
+    ``(batch, (q [NB, S_q, H, D_qk], kv [NB, S_kv, D_qk], indices [NB, S_q, K] int32,
+    sink [H], topk_length [NB, S_q] int32), config)``, as :mod:`~jax_dsa.ops.sparse_mla.sharding`
+    takes them (for ops built on this one)."""
     q, kv, indices = jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices)
     attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
     topk_length = None if topk_length is None else jnp.asarray(topk_length)
@@ -144,13 +162,7 @@ def sparse_mla(
     else:
         sink = attn_sink
     config = Config(float(sm_scale), int(d_v), impl, xla.default_block_q(s_q, topk, d_qk))
-    # One custom_vjp with three outputs: dropping max_logits here lets XLA remove what only it
-    # needs (the xla path's loop output; the handlers' extra [S_q, H] buffer is all it costs).
-    out, lse, max_logits = _sparse_mla(q3, kv3, idx3, sink, len2, config)
-    out, lse = out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
-    if return_max_logits:
-        return out, lse, max_logits.reshape(batch + (s_q, h))
-    return out, lse
+    return batch, (q3, kv3, idx3, sink, len2), config
 
 
 def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation):
