@@ -13,8 +13,11 @@ needs. It also checks, on the tiny V4 at a few short lengths, that the slot list
 actually build have exactly the predicted width.
 
 ``time``: forward+backward wall time of one layer of each type (random weights, one batch row)
-for the given model dimensions, sequence length and ``sparse_mla`` implementation; the median of
-``--repeats`` runs after one compile-and-warm-up run. Meant for GPUs.
+for the given model dimensions, sequence length, attention mode and implementation; the median of
+``--repeats`` runs after one compile-and-warm-up run. ``--max-listed N`` sets
+``jax_dsa.nn.v4_attention.MAX_LISTED_ENTRIES`` (past it, HCA and dense CSA take every visible
+compressed entry through ``sparse_dense_mla`` instead of a slot list), to time both paths.
+Meant for GPUs.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from flax import nnx  # noqa: E402
 
 from jax_dsa.configs import get_config  # noqa: E402
 from jax_dsa.configs.v4 import LAYER_TYPES  # noqa: E402
+from jax_dsa.nn import v4_attention  # noqa: E402
 from jax_dsa.nn.v4_attention import DeepseekV4Attention  # noqa: E402
 from jax_dsa.nn.v4_slots import compressed_slot_count, slot_width  # noqa: E402
 
@@ -81,9 +85,11 @@ def check_built_widths(lengths=(64, 200, 512)) -> list[dict]:
     return rows
 
 
-def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype) -> dict:
+def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype,
+                mode: str = "sparse") -> dict:
     c = get_config(model)
     out = {"model": model, "seq_len": seq_len, "implementation": implementation,
+           "attention_mode": mode, "max_listed_entries": v4_attention.MAX_LISTED_ENTRIES,
            "dtype": jnp.dtype(dtype).name, "device": str(jax.devices()[0]), "layers": {}}
     for t in LAYER_TYPES:
         i = c.layer_types.index(t) if t in c.layer_types else None
@@ -96,7 +102,8 @@ def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype) -
         @functools.partial(jax.jit, donate_argnums=())
         def fwd_bwd(p, x, graphdef=graphdef, rest=rest):
             def loss(p, x):
-                y, aux = nnx.merge(graphdef, p, rest)(x, implementation=implementation)
+                y, aux = nnx.merge(graphdef, p, rest)(x, attention_mode=mode,
+                                                      implementation=implementation)
                 return jnp.mean(y.astype(jnp.float32) ** 2) + (
                     aux["indexer_loss"] if aux["indexer_loss"] is not None else 0.0)
             return jax.grad(loss, argnums=(0, 1))(p, x)
@@ -109,7 +116,7 @@ def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype) -
             t0 = time.perf_counter()
             jax.block_until_ready(fwd_bwd(params, x))
             runs.append(time.perf_counter() - t0)
-        out["layers"][t] = {"layer_idx": i, "slot_width": slot_width(c, t, seq_len),
+        out["layers"][t] = {"layer_idx": i, "slot_width": slot_width(c, t, seq_len, mode),
                             "first_call_s": compile_s, "median_s": statistics.median(runs),
                             "runs_s": runs}
     return out
@@ -126,14 +133,19 @@ def main(argv=None):
     t.add_argument("--implementation", default=None)
     t.add_argument("--repeats", type=int, default=5)
     t.add_argument("--dtype", default="bfloat16")
+    t.add_argument("--attention-mode", choices=("sparse", "dense"), default="sparse")
+    t.add_argument("--max-listed", type=int, default=None,
+                   help="override MAX_LISTED_ENTRIES (compressed entries listed as slots)")
     t.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.cmd == "buckets":
         result = bucket_report()
         result["tiny_built_widths"] = check_built_widths()
     else:
+        if args.max_listed is not None:
+            v4_attention.MAX_LISTED_ENTRIES = args.max_listed
         result = time_layers(args.model, args.seq_len, args.implementation, args.repeats,
-                             jnp.dtype(args.dtype))
+                             jnp.dtype(args.dtype), args.attention_mode)
     text = json.dumps(result, indent=1)
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
