@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dsa import _native, sparse_mla
+from jax_dsa import _native, dense_mla, sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 from jax_dsa.ops.sparse_mla import cpu as sparse_mla_cpu
 
@@ -173,3 +173,17 @@ def test_cpu_backward_is_deterministic():
         again = grad(q, kv)
         np.testing.assert_array_equal(again[0], first[0])
         np.testing.assert_array_equal(again[1], first[1])
+
+
+@pytest.mark.skipif(not {"cpu", "cuda"} <= set(_native.available()),
+                    reason="needs the host and CUDA modules")
+def test_cuda_run_on_the_host_says_why():
+    """implementation="cuda" lowers on the host (a single name is not checked against the
+    backend), and running it there fails with the host's stand-in handler's message."""
+    q = jnp.ones((1, 8, 64, 576), jnp.bfloat16)
+    kv = jnp.ones((1, 8, 576), jnp.bfloat16)
+    pos = jnp.arange(8)[None]
+    f = jax.jit(lambda q, kv: dense_mla(q, kv, sm_scale=0.05, q_positions=pos, kv_positions=pos,
+                                        implementation="cuda"))
+    with pytest.raises(Exception, match="an op called with implementation='cuda' needs an SM90"):
+        jax.block_until_ready(f(q, kv))

@@ -531,9 +531,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdCpu, jax_dsa::BackwardImpl,
 // "no FFI handler registered".
 static ffi::Error CudaOnHost(ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {
   return ffi::Error::InvalidArgument(
-      "jax_dsa: implementation='cuda' (sparse_mla or an indexer op) needs an SM90 GPU "
-      "(H100/H200), but this computation runs on the host; use implementation=None or 'xla' "
-      "there");
+      "jax_dsa: an op called with implementation='cuda' needs an SM90 GPU (H100/H200), but "
+      "this computation runs on the host; use implementation=None or 'xla' there");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaCudaOnHost, CudaOnHost,
