@@ -135,3 +135,36 @@ def test_dp_cp_tp_mesh_equals_unsharded(axis_type):
     assert_close(got_out, want_out, what="out")
     for name, a, b in zip(("dq", "dkv", "dkv_dense", "d_sink"), got_g, want_g):
         assert_close(a, b, rel=1e-4, what=name)
+
+
+def test_gpu_cuda_parts_match_float64():
+    """On an SM90 GPU: both parts on "cuda" (bf16, V4 widths: H 64, D_qk = d_v = 512, a
+    128-slot window and 1500 dense rows, a sink, packed documents) against float64 "xla"."""
+    from jax_dsa.ops import registry
+
+    if jax.default_backend() != "gpu" or "cuda" not in _native.available():
+        pytest.skip("needs an SM90 GPU and the CUDA module")
+    why = registry.sm90_device_error()
+    if why:
+        pytest.skip(str(why))
+    rng = np.random.default_rng(5)
+    b, s, s_d, h, d = 1, 1024, 1500, 64, 512
+    x = _inputs(rng, b, s, s_d, h, d, 128, jnp.float32)
+    window = np.arange(s)[:, None] - np.arange(128)[None, :]
+    x["idx"] = jnp.asarray(np.where(window >= 0, window, -1)[None].astype(np.int32))
+    x["d_pos"] = jnp.asarray(rng.integers(0, s // 2, (b, s_d)).astype(np.int32))
+    x["dout"] = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)  # d_v = D_qk here
+    bf = {k: (x[k].astype(jnp.bfloat16) if k in ("q", "kv", "kvd", "dout") else x[k]) for k in x}
+    bf["q"] = (bf["q"].astype(jnp.float32) * 0.3).astype(jnp.bfloat16)
+    out, lse, grads = _value_and_grads(_ours(bf, d ** -0.5, d, "cuda"), bf)
+    with jax.enable_x64(True):
+        f64 = {k: (v.astype(jnp.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v)
+               for k, v in bf.items()}
+        ref_out, ref_lse, ref_grads = _value_and_grads(_ours(f64, d ** -0.5, d, "xla"), f64)
+    assert _rel(out, ref_out) < 1e-2
+    fin = np.isfinite(np.asarray(ref_lse))
+    got_l, want_l = (np.where(fin, np.asarray(v), 0) for v in (lse, ref_lse))
+    assert np.max(np.abs(got_l - want_l)) < 1e-2
+    for name, a, r in zip(("dq", "dkv", "dkv_dense", "d_sink"), grads, ref_grads):
+        assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+        assert _rel(a, r) < 1e-2, name
