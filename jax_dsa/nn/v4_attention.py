@@ -187,8 +187,9 @@ class DeepseekV4Attention(nnx.Module):
           ``(out [B, S, hidden_size] in the compute dtype, aux)`` with ``aux["indices"]`` the
           ``[B, S, K]`` int32 slot lists (rows of ``[raw ; compressed]``, ``-1`` padded; ``K``
           from the bucket ladder; the window alone where the compressed rows go through
-          ``sparse_dense_mla``, see the module docstring), ``aux["topk_length"]`` ``[B, S]`` int32, ``aux["topk"]`` the
-          CSA top-k into the compressed rows (``None`` elsewhere and in dense mode), and
+          ``sparse_dense_mla``, see the module docstring), ``aux["topk_length"]`` ``[B, S]``
+          int32, ``aux["topk"]`` the CSA top-k into the compressed rows (``None`` elsewhere and
+          in dense mode), and
           ``aux["indexer_loss"]`` a float32 scalar
           (:func:`jax_dsa.ops.indexer.v4_indexer_kl_loss`; dense form in dense mode,
           over the chosen entries in sparse mode) or ``None``.

@@ -125,8 +125,8 @@ class Registry:
     def restrict(self, implementation):
         """What this op runs for a layer's ``implementation``: the names it registers, in order,
         then its own preference order for the platform (so a call the named implementation does
-        not support, e.g. the V4 KL loss's dense form on ``"cuda"``, falls back); ``None`` (its default
-        order) when it has none of them."""
+        not support, e.g. the V4 KL loss's dense form on ``"cuda"``, falls back); ``None`` (its
+        default order) when it has none of them."""
         if implementation is None:
             return None
         names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
