@@ -104,12 +104,16 @@ def test_rows_without_any_key():
 
 def test_bad_arguments_are_named():
     x = _inputs(np.random.default_rng(2), 1, 8, 4, 2, 16, 3, jnp.float32)
-    with pytest.raises(ValueError, match="sparse_mla: indices has S_q"):
+    with pytest.raises(ValueError, match="sparse_dense_mla: the slot part: sparse_mla: indices"):
         sparse_dense_mla(x["q"], x["kv"], x["idx"][:, :5], x["kvd"], sm_scale=0.25, d_v=8,
                          q_positions=x["pos"], kv_dense_positions=x["d_pos"])
-    with pytest.raises(ValueError, match="dense_mla"):
+    with pytest.raises(ValueError, match="the dense part .* kv_positions"):
         sparse_dense_mla(x["q"], x["kv"], x["idx"], x["kvd"], sm_scale=0.25, d_v=8,
                          q_positions=x["pos"], kv_dense_positions=x["d_pos"][:, :2])
+    with pytest.raises(TypeError, match="the dense part"):
+        sparse_dense_mla(x["q"], x["kv"], x["idx"], x["kvd"].astype(jnp.bfloat16),
+                         sm_scale=0.25, d_v=8, q_positions=x["pos"],
+                         kv_dense_positions=x["d_pos"])
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

@@ -58,17 +58,26 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
       key. Gradients for ``q``, ``kv``, ``kv_dense`` and ``attn_sink``; ``lse`` takes none.
 
     Raises:
-      ValueError, TypeError, NotImplementedError: as :func:`jax_dsa.sparse_mla` and
-        :func:`jax_dsa.dense_mla` raise for their arguments.
+      ValueError, TypeError: as :func:`jax_dsa.sparse_mla` (the slot part) and
+        :func:`jax_dsa.dense_mla` (the dense part: its ``kv`` is ``kv_dense``) raise for their
+        arguments, the message saying which part.
+      NotImplementedError: the requested implementations are not built in this install.
     """
-    batch, sp, sp_config = sparse_op.prepare(
-        q, kv, indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink, topk_length=topk_length,
-        implementation=sparse_op.REGISTRY.restrict(implementation))
-    _, de, de_config = dense_op.prepare(
-        q, kv_dense, sm_scale=sm_scale, d_v=d_v, q_positions=q_positions,
-        kv_positions=kv_dense_positions, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_dense_segment_ids, attn_sink=attn_sink,
-        implementation=dense_op.REGISTRY.restrict(implementation))
+    try:
+        batch, sp, sp_config = sparse_op.prepare(
+            q, kv, indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
+            topk_length=topk_length, implementation=sparse_op.REGISTRY.restrict(implementation))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"sparse_dense_mla: the slot part: {e}") from None
+    try:
+        _, de, de_config = dense_op.prepare(
+            q, kv_dense, sm_scale=sm_scale, d_v=d_v, q_positions=q_positions,
+            kv_positions=kv_dense_positions, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_dense_segment_ids, attn_sink=attn_sink,
+            implementation=dense_op.REGISTRY.restrict(implementation))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"sparse_dense_mla: the dense part (its kv is kv_dense, its kv_positions "
+                      f"kv_dense_positions): {e}") from None
     q3, kv3, idx, sink, lengths = sp
     _, kvd, q_pos, kv_pos, q_seg, kv_seg, _ = de
     out, lse = _merged(q3, kv3, idx, lengths, kvd, q_pos, kv_pos, q_seg, kv_seg,
