@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_dsa.ops.dense_mla import cuda, sharding, xla
 from jax_dsa.ops.dense_mla.config import Call, Config
 from jax_dsa.ops.indexer.common import check_positions
+from jax_dsa.ops.mla_args import check_attention_args
 from jax_dsa.ops.registry import Registry
 
 REGISTRY = Registry(
@@ -157,37 +157,8 @@ def prepare(q, kv, *, sm_scale, d_v, q_positions, kv_positions, q_segment_ids, k
 def _check_args(q, kv, sm_scale, d_v, attn_sink, implementation, q_positions, kv_positions,
                 q_segment_ids, kv_segment_ids):
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(
-            "dense_mla: sm_scale must be a Python number (the model's softmax scale, e.g. 1/16 "
-            f"for GLM-5); got {sm_scale!r}"
-        )
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"dense_mla: sm_scale must be finite and > 0, got {sm_scale!r}")
-    if q.ndim < 3:
-        raise ValueError(f"dense_mla: q must be [..., S_q, H, D_qk], got shape {q.shape}")
-    batch = q.shape[:-3]
-    if kv.ndim != len(batch) + 2 or kv.shape[:-2] != batch:
-        raise ValueError(
-            f"dense_mla: kv must be [..., S_kv, D_qk] with q's batch dims {batch}, got shape "
-            f"{kv.shape} for q {q.shape}"
-        )
+    batch = check_attention_args("dense_mla", q, kv, sm_scale, d_v, attn_sink)
     s_q, h, d_qk = q.shape[-3:]
-    if h < 1 or d_qk < 1:
-        raise ValueError(f"dense_mla: q needs H >= 1 heads and D_qk >= 1, got shape {q.shape}")
-    if kv.shape[-1] != d_qk:
-        raise ValueError(f"dense_mla: kv's last dim {kv.shape[-1]} must equal q's D_qk {d_qk}")
-    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
-        raise TypeError(
-            f"dense_mla: q and kv must share one float dtype, got {q.dtype} and {kv.dtype}"
-        )
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or not 0 < d_v <= d_qk:
-        raise ValueError(f"dense_mla: d_v must be an int with 0 < d_v <= D_qk={d_qk}, got {d_v!r}")
-    if attn_sink is not None:
-        if attn_sink.shape != (h,):
-            raise ValueError(f"dense_mla: attn_sink must be [H]=({h},), got {attn_sink.shape}")
-        if not jnp.issubdtype(attn_sink.dtype, jnp.floating):
-            raise TypeError(f"dense_mla: attn_sink must be a float array, got {attn_sink.dtype}")
     s_kv = kv.shape[-2]
     visibility = check_positions("dense_mla", q_positions, kv_positions, q_segment_ids,
                                  kv_segment_ids, batch + (s_q,), batch + (s_kv,))

@@ -8,8 +8,6 @@ The contract is FlashMLA v2's sparse prefill forward (deepseek-ai/FlashMLA,
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
+from jax_dsa.ops.mla_args import check_attention_args
 from jax_dsa.ops.registry import Registry
 from jax_dsa.ops.sparse_mla import cpu, cuda, sharding, xla
 from jax_dsa.ops.sparse_mla.config import Call, Config
@@ -167,54 +166,23 @@ def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementa
 
 def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation):
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(
-            "sparse_mla: sm_scale must be a Python number (the model's softmax scale, e.g. 1/16 "
-            f"for GLM-5); got {sm_scale!r}"
-        )
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sparse_mla: sm_scale must be finite and > 0, got {sm_scale!r}")
-    if q.ndim < 3:
-        raise ValueError(f"sparse_mla: q must be [..., S_q, H, D_qk], got shape {q.shape}")
-    batch = q.shape[:-3]
-    nbd = len(batch)
-    if kv.ndim != nbd + 2:
-        raise ValueError(
-            f"sparse_mla: kv must be [..., S_kv, D_qk] with q's {nbd} batch dims, got shape "
-            f"{kv.shape} for q {q.shape}"
-        )
-    if indices.ndim != nbd + 2:
-        raise ValueError(
-            f"sparse_mla: indices must be [..., S_q, K] with q's {nbd} batch dims, got shape "
-            f"{indices.shape} for q {q.shape}"
-        )
-    if kv.shape[:-2] != batch or indices.shape[:-2] != batch:
-        raise ValueError(
-            f"sparse_mla: batch dims differ: q {batch}, kv {kv.shape[:-2]}, indices "
-            f"{indices.shape[:-2]}"
-        )
+    batch = check_attention_args("sparse_mla", q, kv, sm_scale, d_v, attn_sink)
     s_q, h, d_qk = q.shape[-3:]
-    if h < 1 or d_qk < 1:
-        raise ValueError(f"sparse_mla: q needs H >= 1 heads and D_qk >= 1, got shape {q.shape}")
-    if kv.shape[-1] != d_qk:
-        raise ValueError(f"sparse_mla: kv's last dim {kv.shape[-1]} must equal q's D_qk {d_qk}")
+    if indices.ndim != len(batch) + 2:
+        raise ValueError(
+            f"sparse_mla: indices must be [..., S_q, K] with q's {len(batch)} batch dims, got "
+            f"shape {indices.shape} for q {q.shape}"
+        )
+    if indices.shape[:-2] != batch:
+        raise ValueError(
+            f"sparse_mla: batch dims differ: q {batch}, indices {indices.shape[:-2]}"
+        )
     if indices.shape[-2] != s_q:
         raise ValueError(f"sparse_mla: indices has S_q {indices.shape[-2]}, q has {s_q}")
     if indices.shape[-1] < 1:
         raise ValueError("sparse_mla: indices must have at least one slot (K >= 1)")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"sparse_mla: indices must be an integer array, got {indices.dtype}")
-    if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype != kv.dtype:
-        raise TypeError(
-            f"sparse_mla: q and kv must share one float dtype, got {q.dtype} and {kv.dtype}"
-        )
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or not 0 < d_v <= d_qk:
-        raise ValueError(f"sparse_mla: d_v must be an int with 0 < d_v <= D_qk={d_qk}, got {d_v!r}")
-    if attn_sink is not None:
-        if attn_sink.shape != (h,):
-            raise ValueError(f"sparse_mla: attn_sink must be [H]=({h},), got {attn_sink.shape}")
-        if not jnp.issubdtype(attn_sink.dtype, jnp.floating):
-            raise TypeError(f"sparse_mla: attn_sink must be float32, got {attn_sink.dtype}")
     if topk_length is not None:
         if topk_length.shape != batch + (s_q,):
             raise ValueError(
