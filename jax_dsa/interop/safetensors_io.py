@@ -16,6 +16,7 @@ import json
 import os
 import struct
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
@@ -152,6 +153,20 @@ def parse_size(size: int | str) -> int:
     if value <= 0:
         raise ValueError(f"parse_size: size must be positive, got {size!r}")
     return value
+
+
+def host_array(x) -> np.ndarray:
+    """``x`` as a host NumPy array, for writing (``save_hf``).
+
+    Raises:
+      ValueError: a ``jax.Array`` not fully addressable from this process (multi-host).
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError(
+            "save_hf: a parameter is not fully addressable from this process (multi-host); "
+            "save from a process that can address every shard"
+        )
+    return np.asarray(jax.device_get(x))
 
 
 class CheckpointWriter:

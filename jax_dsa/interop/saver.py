@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import numpy as np
 from flax import nnx
 
 from jax_dsa.interop.hf_config import config_to_hf
 from jax_dsa.interop.names import hf_key
-from jax_dsa.interop.safetensors_io import CheckpointWriter
+from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array
 from jax_dsa.interop.v4_lm import save_v4
 from jax_dsa.nn.model import DSALanguageModel
 from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
@@ -31,15 +30,6 @@ _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"
 def _dtype_name(dt) -> str:
     dt = np.dtype(dt)
     return _DTYPE_NAMES.get(dt, dt.name)  # ml_dtypes' bfloat16 is named "bfloat16"
-
-
-def _host(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        raise ValueError(
-            "save_hf: a parameter is not fully addressable from this process (multi-host); "
-            "save from a process that can address every shard"
-        )
-    return np.asarray(jax.device_get(x))
 
 
 def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.PathLike, *,
@@ -80,8 +70,8 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
     embed_dtype = model.embed_tokens.weight[...].dtype
     hf = config_to_hf(config, dtype=_dtype_name(embed_dtype))
     tied = bool(config.tie_word_embeddings)
-    if tied and not np.array_equal(_host(model.lm_head.weight[...]),
-                                   _host(model.embed_tokens.weight[...])):
+    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
+                                   host_array(model.embed_tokens.weight[...])):
         raise ValueError(
             "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
             "(transformers would tie them); set tie_word_embeddings=False in the config"
@@ -95,9 +85,9 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
         value = var.get_value()
         if stacked:
             for e in range(value.shape[0]):
-                writer.add(key.format(expert=e), _host(value[e]))
+                writer.add(key.format(expert=e), host_array(value[e]))
         else:
-            writer.add(key, _host(value))
+            writer.add(key, host_array(value))
     files = writer.finish()
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)

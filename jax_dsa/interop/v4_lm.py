@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jax_dsa.configs.v4 import DeepseekV4Config
 from jax_dsa.interop.hf_config import V4_MODEL_TYPE, config_to_hf, read_hf_config
-from jax_dsa.interop.safetensors_io import CheckpointWriter
+from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array
 from jax_dsa.interop.v4_layouts import (
     is_mtp_name,
     open_v4_checkpoint,
@@ -181,15 +181,6 @@ def load_v4(path: str | os.PathLike, *, dtype=jnp.bfloat16, compute_dtype=None,
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _host(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        raise ValueError(
-            "save_hf: a parameter is not fully addressable from this process (multi-host); "
-            "save from a process that can address every shard"
-        )
-    return np.asarray(jax.device_get(x))
-
-
 def save_v4(model: DeepseekV4LanguageModel, path: str | os.PathLike, *,
             max_shard_size: int | str = "5GB", dtype_name: str | None = None,
             layout: str = "save_pretrained") -> list[str]:
@@ -221,8 +212,8 @@ def save_v4(model: DeepseekV4LanguageModel, path: str | os.PathLike, *,
     if model.mtp is not None:  # config_to_hf writes 0: the depths saved here
         hf["num_nextn_predict_layers"] = len(model.mtp)
     tied = bool(config.tie_word_embeddings)
-    if tied and not np.array_equal(_host(model.lm_head.weight[...]),
-                                   _host(model.embed_tokens.weight[...])):
+    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
+                                   host_array(model.embed_tokens.weight[...])):
         raise ValueError(
             "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
             "(transformers would tie them); set tie_word_embeddings=False in the config"
@@ -244,16 +235,16 @@ def save_v4(model: DeepseekV4LanguageModel, path: str | os.PathLike, *,
             shape = _fused_shape(by_half[0].shape, 0)
         for key, index in save_pretrained_parts(name, shape, layout):
             if None in by_half:
-                array = _host(value[index] if index else value)
+                array = host_array(value[index] if index else value)
                 if name.endswith("tid2eid"):
                     array = array.astype(np.int64)
             elif not index:  # layout="state_dict": the fused tensor whole, gate rows first
-                array = np.concatenate([_host(by_half[0]), _host(by_half[1])], axis=1)
+                array = np.concatenate([host_array(by_half[0]), host_array(by_half[1])], axis=1)
             else:  # index = (expert, rows) of the fused tensor: one half, one expert
                 e, rows = index
                 i = by_half[0].shape[1]
                 h = rows.start // i
-                array = _host(by_half[h][e, rows.start - h * i:rows.stop - h * i])
+                array = host_array(by_half[h][e, rows.start - h * i:rows.stop - h * i])
             writer.add(key, array)
     files = writer.finish()
     with open(os.path.join(path, "config.json"), "w") as f:
