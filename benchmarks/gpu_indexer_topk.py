@@ -6,7 +6,9 @@ GLM-5's indexer (index heads 32, head dim 128, topk 2048) at S_q = S_kv in {4096
 causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 heads at 16384.
 Each time is the median of --reps jitted calls after 3 warm-up calls, host wall time around
 block_until_ready, fresh random bf16 inputs (no zeros). Beside the whole call: the score kernels
-alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores.
+alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores;
+the same two for ``qk_dtype="float8_e4m3fn"`` (fp8 score kernel, quantization included), and
+the share of the 256 longest rows' keys that bf16 and fp8 both select.
 Command buffers are turned off (XLA_FLAGS) so that the variable takes effect per call. The
 kernels' own CUDA-event times, per score-kernel variant, come from
 ``topk_selftest --bench`` (ffi/cuda/indexer/topk_selftest.cu).
@@ -31,22 +33,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_dsa  # noqa: E402
-
-
-def _ensure_registered():
-    """Until jax_dsa/ops/indexer/topk.py registers topk_cuda, add it here (scripts only)."""
-    from jax_dsa.ops.indexer import topk as topk_op
-    from jax_dsa.ops.indexer import topk_cuda
-    from jax_dsa.ops.registry import Registry
-
-    if "cuda" not in topk_op.REGISTRY:
-        print("note: registering topk_cuda in indexer_topk's registry (not yet in topk.py)")
-        topk_op.REGISTRY = Registry(
-            "indexer_topk", (topk_op.topk_xla.IMPLEMENTATION, topk_cuda.IMPLEMENTATION),
-            preference={"default": ("xla",), "gpu": ("cuda", "xla")})
-
-
-_ensure_registered()
 
 
 def timed(f, args, reps):
@@ -87,9 +73,10 @@ def main():
         visible = int(np.sum(np.minimum(np.arange(s_q) + off + 1, s_kv)))
         flops = 2 * h * 128 * visible
 
-        def make(impl):
+        def make(impl, qk_dtype=None):
             return jax.jit(lambda q, k, w, qp, kp: jax_dsa.indexer_topk(
-                q, k, w, topk=topk, q_positions=qp, kv_positions=kp, implementation=impl))
+                q, k, w, topk=topk, q_positions=qp, kv_positions=kp, qk_dtype=qk_dtype,
+                implementation=impl))
 
         args = (q, kk, w, q_pos, kv_pos)
         f = make("cuda")
@@ -102,6 +89,16 @@ def main():
         row["topk_ms"] = row["cuda_ms"] - row["score_only_ms"]
         row["score_tflops"] = flops / (row["cuda_ms"] * 1e-3) / 1e12
         row["score_kernel_tflops"] = flops / (row["score_only_ms"] * 1e-3) / 1e12
+        # The fp8 scores (qk_dtype="float8_e4m3fn"): the whole call includes the quantization.
+        f8 = make("cuda", "float8_e4m3fn")
+        row["fp8_ms"], _ = timed(f8, args, a.reps)
+        os.environ["JAX_DSA_INDEXER_STAGES"] = "score"
+        row["fp8_score_only_ms"], _ = timed(f8, args, a.reps)
+        del os.environ["JAX_DSA_INDEXER_STAGES"]
+        row["fp8_score_kernel_tflops"] = flops / (row["fp8_score_only_ms"] * 1e-3) / 1e12
+        sel, sel8 = (np.asarray(g(*args)[-256:]) for g in (f, f8))  # the longest rows
+        row["fp8_same_keys_frac"] = float(np.mean([len(set(x) & set(y)) / len(set(x))
+                                                   for x, y in zip(sel, sel8)]))
         if with_xla and not a.no_xla:
             row["xla_ms"], _ = timed(make("xla"), args, max(5, a.reps // 2))
             row["xla_over_cuda"] = row["xla_ms"] / row["cuda_ms"]
@@ -124,10 +121,10 @@ def main():
             json.dump(result, fh, indent=1)
     print()
     print(f"{'shape':28s} {'cuda ms':>8s} {'scores':>8s} {'top-k':>7s} "
-          f"{'TFLOP/s':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
+          f"{'TFLOP/s':>8s} {'fp8 ms':>8s} {'scores':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
     for r in rows:
         print(f"{r['name']:28s} {r['cuda_ms']:8.2f} {r['score_only_ms']:8.2f} {r['topk_ms']:7.2f} "
-              f"{r['score_tflops']:8.1f} "
+              f"{r['score_tflops']:8.1f} {r['fp8_ms']:8.2f} {r['fp8_score_only_ms']:8.2f} "
               f"{r.get('xla_ms', float('nan')):8.2f} {r.get('xla_over_cuda', float('nan')):8.1f}")
 
 

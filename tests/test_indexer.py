@@ -504,6 +504,77 @@ def test_kl_backward_memory_is_blocked():
 
 
 # ------------------------------------------------------------------------------------------
+# The fp8 scores (qk_dtype="float8_e4m3fn")
+
+
+def np_quantize_fp8(x):
+    """The UE8M0 rule in float64 NumPy: the smallest power-of-two scale with amax <= 448 scale
+    (amax floored at 1e-4), then round to nearest even e4m3 (ml_dtypes)."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float64)
+    amax = np.maximum(np.abs(x).max(-1), 1e-4)
+    m, e = np.frexp(amax / 448.0)  # amax / 448 = m 2^e, m in [0.5, 1)
+    scale = np.ldexp(1.0, np.where(m == 0.5, e - 1, e))
+    x8 = (x / scale[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return x8.astype(np.float64), scale
+
+
+def test_quantize_fp8_follows_the_ue8m0_rule():
+    from jax_dsa.ops.indexer.common import quantize_fp8
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((6, 40)) * np.array([1e-7, 1e-3, 1, 448, 896, 3e4])[:, None]
+    x[0] = 0  # floored amax
+    x[3] = rng.uniform(-400, 400, 40)
+    x[3, 0] = 448  # amax exactly 448: scale 1
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    x8, scale = quantize_fp8(jnp.asarray(x, jnp.bfloat16))
+    assert x8.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
+    ref8, ref_scale = np_quantize_fp8(x)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), ref_scale)
+    np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32), np.float64), ref8)
+    assert ref_scale[3] == 1.0
+    assert np.all(np.abs(ref8) <= 448) and np.all(np.abs(x).max(-1)[1:] > 224 * ref_scale[1:])
+    np.testing.assert_allclose(ref8 * ref_scale[:, None], x, rtol=2.0 ** -4, atol=2.0 ** -9 * ref_scale[:, None].max())
+
+
+def test_topk_fp8_selects_by_the_fp8_scores():
+    rng = np.random.default_rng()
+    b, s_q, s_kv, h, d, topk = 2, 40, 64, 4, 32, 12
+    q = np.asarray(jnp.asarray(rng.standard_normal((b, s_q, h, d)), jnp.bfloat16).astype(jnp.float32))
+    k = np.asarray(jnp.asarray(rng.standard_normal((b, s_kv, d)) * 3, jnp.bfloat16).astype(jnp.float32))
+    w = rng.standard_normal((b, s_q, h)).astype(np.float32)
+    qp = np.broadcast_to(np.arange(s_q) + 20, (b, s_q))
+    kp = np.broadcast_to(np.arange(s_kv), (b, s_kv))
+    qs = np.broadcast_to(np.arange(s_q) // 25, (b, s_q))
+    ks = np.broadcast_to(np.arange(s_kv) // 30, (b, s_kv))
+    got = np.asarray(indexer_topk(
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), w, topk=topk, q_positions=qp,
+        kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks, qk_dtype="float8_e4m3fn",
+        implementation="xla"))
+    q8, q_scale = np_quantize_fp8(q)
+    k8, k_scale = np_quantize_fp8(k)
+    vis = np_visible(qp, kp, qs, ks)
+    for i in np.ndindex(b, s_q):
+        dots = q8[i] @ k8[i[0]].T  # exact in float32 too: fp8 products and short sums
+        score = (np.maximum(dots, 0) * (w[i] * q_scale[i])[:, None]).sum(0) * k_scale[i[0]]
+        tol = 1e-5 * (np.abs(dots) * np.abs(w[i] * q_scale[i])[:, None]).sum(0) * k_scale[i[0]]
+        v = vis[i]
+        n = min(topk, int(v.sum()))
+        head = got[i][:n]
+        assert np.all(got[i][n:] == -1) and len(set(head.tolist())) == n and np.all(v[head])
+        rest = v.copy()
+        rest[head] = False
+        if rest.any() and n:
+            assert np.max(score[rest] - tol[rest]) <= np.min(score[head] + tol[head])
+    bf16 = np.asarray(indexer_topk(
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), w, topk=topk, q_positions=qp,
+        kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks, implementation="xla"))
+    assert np.any(bf16 != got)  # fp8 rounding moves some selections
+
+
+# ------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -530,6 +601,8 @@ def _topk_call(**over):
         (dict(q_positions=jnp.arange(5)), ValueError, "q_positions must have shape"),
         (dict(kv_positions=jnp.zeros(5)), TypeError, "kv_positions must be an integer"),
         (dict(q_segment_ids=jnp.zeros(4, jnp.int32)), ValueError, "kv_segment_ids"),
+        (dict(qk_dtype=jnp.bfloat16), ValueError, "qk_dtype must be None or 'float8_e4m3fn'"),
+        (dict(qk_dtype="fp8"), ValueError, "qk_dtype must be None"),
         (
             dict(q_segment_ids=jnp.zeros(4, jnp.int32), kv_segment_ids=jnp.zeros(4, jnp.int32)),
             ValueError,

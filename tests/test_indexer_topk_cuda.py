@@ -124,7 +124,7 @@ def test_device_rule(monkeypatch, cc, ok):
         assert "SM90" in why and cc in why
 
 
-def _lower(b, s_q, s_kv, h, topk, segments):
+def _lower(b, s_q, s_kv, h, topk, segments, qk_dtype=None):
     sds = jax.ShapeDtypeStruct
     args = [sds((b, s_q, h, 128), jnp.bfloat16), sds((b, s_kv, 128), jnp.bfloat16),
             sds((b, s_q, h), jnp.float32), sds((b, s_q), jnp.int32), sds((b, s_kv), jnp.int32)]
@@ -133,7 +133,8 @@ def _lower(b, s_q, s_kv, h, topk, segments):
 
     def f(q, k, w, qp, kp, qs=None, ks=None):
         return indexer_topk(q, k, w, topk=topk, q_positions=qp, kv_positions=kp,
-                            q_segment_ids=qs, kv_segment_ids=ks, implementation="cuda")
+                            q_segment_ids=qs, kv_segment_ids=ks, qk_dtype=qk_dtype,
+                            implementation="cuda")
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
@@ -165,6 +166,17 @@ def test_lowers_to_the_custom_call(b, s_q, s_kv, h, topk, hp, segments):
     assert "top_k" not in text.lower() and "topk" not in re.sub(r"jax_dsa_indexer_topk_cuda", "",
                                                                  text).lower()
     assert f"{s_q}x{s_kv}x" not in text.replace(f"{s_q}x{s_kv}xi32", "")  # no [S_q, S_kv] value
+
+
+@needs_module
+def test_fp8_scores_lower_to_the_same_bf16_call():
+    # fp8 values times power-of-two scales are exact in bfloat16: the bf16 kernel takes them
+    b, s_q, s_kv, h = 2, 70, 90, 20
+    text, calls = _lower(b, s_q, s_kv, h, 16, False, "float8_e4m3fn")
+    ours = [c for c in calls if c[0] == tc.TARGET]
+    assert len(ours) == 1, [c[0] for c in calls]
+    assert f"tensor<{b}x{s_q}x32x128xbf16>" in ours[0][3]
+    assert "f8E4M3FN" in text  # the quantization happened before the call
 
 
 def test_wrong_sizes_raise_before_lowering():
@@ -261,3 +273,28 @@ def test_gpu_exact_ties_go_to_the_lower_index():
     zeros_c = [[x for x in r if x >= 0 and score[t, x] == 0] for t, r in enumerate(got)]
     zeros_x = [[x for x in r if x >= 0 and score[t, x] == 0] for t, r in enumerate(ref)]
     assert zeros_c == zeros_x
+
+
+@needs_sm90
+@pytest.mark.parametrize("h,s_q,s_kv,topk", [(32, 300, 2100, 2048), (64, 200, 700, 64)])
+def test_gpu_fp8_matches_the_fp8_oracle_and_xla(h, s_q, s_kv, topk):
+    from test_indexer import np_quantize_fp8
+
+    rng = np.random.default_rng()
+    q = _bf(rng.standard_normal((s_q, h, 128)) * 0.5)
+    k = _bf(rng.standard_normal((s_kv, 128)))
+    w = (rng.standard_normal((s_q, h)) * 0.02).astype(np.float32)
+    qp = np.arange(s_q) + (s_kv - s_q)
+    kp = np.arange(s_kv)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w))
+    run = lambda impl: np.asarray(indexer_topk(*args, topk=topk, q_positions=qp, kv_positions=kp,
+                                               qk_dtype="float8_e4m3fn", implementation=impl))
+    got = run("cuda")
+    np.testing.assert_array_equal(got, run("cuda"))  # deterministic
+    q8, q_scale = np_quantize_fp8(q)
+    k8, k_scale = np_quantize_fp8(k)
+    score, tol = _oracle(q8, k8, w * q_scale)
+    _check_rows(got, score * k_scale, tol * k_scale, kp[None, :] <= qp[:, None], topk)
+    ref = run("xla")
+    same = np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(got, ref)])
+    assert same > 0.97, same

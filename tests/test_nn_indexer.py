@@ -92,3 +92,24 @@ def test_packed_segments_topk_stays_in_document():
         lo, hi = (0, t) if t < 5 else (5, t)
         assert np.all((valid >= lo) & (valid <= hi))
         assert len(valid) == min(c.index_topk, hi - lo + 1)
+
+
+def test_qk_dtype_reaches_the_top_k():
+    """Indexer.qk_dtype="float8_e4m3fn" selects by the fp8 scores: the layer's slots equal
+    indexer_topk's with that option on the layer's own q, k and weights."""
+    from jax_dsa.ops.indexer import indexer_topk
+
+    c = small_config("glm5")
+    layer = make_layer(c, seed=7)
+    x = jax.random.normal(jax.random.key(4), (2, 11, c.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    cos, sin = rope_cos_sin(pos, c.rope_parameters, c.qk_rope_head_dim)
+    q, k, w = layer.indexer(x, layer.absorbed_qkv(x, cos, sin)[3], cos, sin)
+    layer.indexer.qk_dtype = "float8_e4m3fn"
+    _, aux = run(layer, x, compute_indexer_loss=False)
+    want = indexer_topk(q, k, w, topk=c.index_topk, q_positions=pos, kv_positions=pos,
+                        qk_dtype="float8_e4m3fn")
+    np.testing.assert_array_equal(np.asarray(aux["indices"]), np.asarray(want))
+    assert "f8_e4m3fn" in str(jax.make_jaxpr(layer.indexer.topk)(q, k, w, pos))
+    with pytest.raises(ValueError, match="qk_dtype must be None or 'float8_e4m3fn'"):
+        Indexer(c, rngs=nnx.Rngs(0), qk_dtype="int8")

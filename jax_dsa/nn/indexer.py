@@ -11,8 +11,10 @@ transformers ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``:
 * score ``I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])``
   (:func:`jax_dsa.ops.indexer.indexer_topk`).
 
-V3.2's Hadamard rotation of q and k is orthogonal (dot products unchanged) and its FP8
-quantization is an inference-precision choice, so neither is applied here.
+V3.2's Hadamard rotation of q and k is orthogonal (dot products unchanged), so it is not applied
+here. Its FP8 quantization of the top-k's scores is an option (``qk_dtype="float8_e4m3fn"``, see
+:func:`jax_dsa.ops.indexer.indexer_topk`), off by default; the KL loss always uses the
+unquantized q and k.
 
 The inputs ``x`` and ``c_q`` are wrapped in ``stop_gradient``: the indexer is trained only by the
 KL loss, and the language-model loss never reaches it (paper §2.1).
@@ -29,6 +31,7 @@ from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import LayerNorm, Linear
 from jax_dsa.nn.rope import apply_rope
 from jax_dsa.ops.indexer import TOPK_REGISTRY, indexer_topk
+from jax_dsa.ops.indexer.topk import check_qk_dtype
 from jax_dsa.sharding import constrain
 from jax_dsa.sharding.constraints import check_split
 
@@ -41,14 +44,21 @@ class Indexer(nnx.Module):
     Parameters (HF names, PyTorch ``[out, in]`` layout): ``wq_b [index_n_heads *
     index_head_dim, q_lora_rank]``, ``wk [index_head_dim, hidden_size]``, ``k_norm.weight`` /
     ``k_norm.bias [index_head_dim]``, ``weights_proj [index_n_heads, hidden_size]`` (float32).
+
+    ``qk_dtype``: ``None`` or ``"float8_e4m3fn"``, the scores the top-k selects by (see
+    :func:`jax_dsa.ops.indexer.indexer_topk`); a static attribute, settable after construction
+    (``layer.indexer.qk_dtype = "float8_e4m3fn"``). Raises ``ValueError`` for other values.
     """
 
     def __init__(
-        self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
+        self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+        qk_dtype=None,
     ):
         c = config
+        check_qk_dtype("Indexer", qk_dtype)
         self.config = config
         self.dtype = dtype
+        self.qk_dtype = qk_dtype
         std = c.initializer_range
         self.wq_b = Linear(
             c.q_lora_rank, c.index_n_heads * c.index_head_dim, axes=("index_heads", "q_lora"),
@@ -110,6 +120,6 @@ class Indexer(nnx.Module):
         topk = min(self.config.index_topk, k.shape[-2])
         return indexer_topk(
             q, k, weights, topk=topk, q_positions=positions, kv_positions=positions,
-            q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            q_segment_ids=segment_ids, kv_segment_ids=segment_ids, qk_dtype=self.qk_dtype,
             implementation=TOPK_REGISTRY.restrict(implementation),
         )

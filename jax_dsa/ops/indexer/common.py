@@ -94,6 +94,35 @@ def sparse_scores(qb, rows, wb, acc):
     return jnp.sum(jax.nn.relu(dots) * wb.astype(acc)[:, :, None], axis=1)
 
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-4  # rows of (near) zeros get the scale of this amax
+
+
+def quantize_fp8(x):
+    """``x`` rounded to ``float8_e4m3fn`` per row of its last axis, with power-of-two scales.
+
+    ``x ~= x_fp8 * scale[..., None]`` where ``scale = 2 ** ceil(log2(max(amax, 1e-4) / 448))``
+    (``amax`` the row's largest ``|x|``; the UE8M0 scale format): every ``|x / scale|`` is
+    at most 448, the division is exact, and the rounding to e4m3 is to nearest even.
+
+    Source: deepseek-ai/DeepSeek-V3.2-Exp ``inference/kernel.py`` (``act_quant`` with
+    ``scale_fmt="ue8m0"``), as its ``Indexer`` quantizes q (per head) and k (per token).
+
+    Args:
+      x: ``[..., D]`` float array.
+
+    Returns:
+      ``(x_fp8 [..., D] float8_e4m3fn, scale [...] float32)``.
+    """
+    x = x.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), FP8_AMAX_FLOOR)
+    # 2 ** ceil(log2(r)) from r's exponent bits (exp2 and log2 are approximations on some
+    # backends): r = m 2^e with m in [0.5, 1), so the power is 2^e, or 2^(e-1) when m = 0.5.
+    m, e = jnp.frexp(amax / FP8_MAX)
+    scale = jnp.ldexp(jnp.ones_like(amax), jnp.where(m == 0.5, e - 1, e))
+    return (x / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
 def masked_log_softmax(x, mask):
     """Log-softmax over the last axis restricted to ``mask``; 0 outside it and on empty rows."""
     mask = jnp.broadcast_to(mask, x.shape)

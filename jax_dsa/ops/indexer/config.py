@@ -14,7 +14,8 @@ class TopkCall:
     Attributes:
       dtype: the promoted dtype of ``q``, ``k``, ``weights``. index_n_heads, index_head_dim: the
       indexer's heads and width. s_q, s_kv: query and key counts. topk: keys selected per query (``min(topk, S_kv)``).
-      segments: whether segment ids were given.
+      segments: whether segment ids were given. fp8: ``qk_dtype`` is float8_e4m3fn (the
+      implementation gets fp8 ``q`` and ``k`` and the keys' scales).
     """
 
     dtype: np.dtype
@@ -24,6 +25,7 @@ class TopkCall:
     s_kv: int
     topk: int
     segments: bool
+    fp8: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from jax_dsa.ops.indexer.common import (
     check_positions,
     default_block_q,
     flatten_batch,
+    quantize_fp8,
 )
 from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
 from jax_dsa.ops.registry import Registry
@@ -33,7 +34,7 @@ from jax_dsa.sharding.partition import Result, partitioned_call
 REGISTRY = Registry("indexer_topk", (topk_xla.IMPLEMENTATION, topk_cuda.IMPLEMENTATION),
                     preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
 
-ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")
+ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")  # shared with the KL losses' operands
 RESULTS = (Result("bs."),)  # [NB, S_q, topk] global key indices
 
 
@@ -48,6 +49,7 @@ def indexer_topk(
     q_segment_ids=None,
     kv_segment_ids=None,
     block_q=None,
+    qk_dtype=None,
     implementation=None,
 ):
     """The ``topk`` visible keys of each query by lightning-indexer score.
@@ -74,18 +76,27 @@ def indexer_topk(
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks the largest power of two <= 128 whose ``[block_q, index_n_heads, S_kv]`` scores
         fit :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
+      qk_dtype: ``None`` (scores from ``q`` and ``k`` as given) or ``"float8_e4m3fn"`` (also
+        ``jnp.float8_e4m3fn``): DeepSeek-V3.2's FP8 indexer. ``q`` is quantized per (token,
+        head) and ``k`` per token by :func:`~jax_dsa.ops.indexer.common.quantize_fp8`
+        (power-of-two scales); ``q``'s scales are folded into ``weights`` and each key's
+        score is multiplied by its scale, so ``I[t, s] = k_scale[s] * sum_h (weights[t, h] *
+        q_scale[t, h]) * relu(q_fp8[t, h] . k_fp8[s])``. ``"cuda"`` runs the products on fp8
+        tensor cores; ``"xla"`` in float32 (exact products). The selection then follows the
+        fp8 scores, as in DeepSeek-V3.2's and prime-rl's inference, not the bf16 ones.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
         pure JAX, any platform. ``"cuda"``: SM90 kernels (:mod:`~jax_dsa.ops.indexer.topk_cuda`;
-        q and k rounded to bfloat16, index_head_dim 128, index_n_heads <= 64, topk <= 2048).
+        q and k rounded to bfloat16 unless ``qk_dtype`` is fp8, index_head_dim 128,
+        index_n_heads <= 64, topk <= 2048).
 
     Returns:
       ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded.
 
     Raises:
       ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``topk < 1``,
-        ``block_q < 1``, only one of the segment ids given, an unknown implementation or one
-        that does not support the call.
+        ``block_q < 1``, only one of the segment ids given, ``qk_dtype`` not ``None`` or
+        float8_e4m3fn, an unknown implementation or one that does not support the call.
       NotImplementedError: the requested implementations are not built in this install.
       TypeError: non-integer ``topk``/``block_q``/positions/segment ids, non-float ``q``, ``k``
         or ``weights``.
@@ -103,16 +114,36 @@ def indexer_topk(
         block_q = default_block_q(s_q, h_i * s_kv)
     else:
         block_q = check_int(name, "block_q", block_q)
+    fp8 = check_qk_dtype(name, qk_dtype)
     k_eff = min(topk, s_kv)  # selected keys; the rest is -1 padding
     impl = REGISTRY.choose(implementation, TopkCall(
         jnp.dtype(acc_dtype(q, k, weights)), h_i, q.shape[-1], s_q, s_kv, k_eff,
-        q_seg is not None))
+        q_seg is not None, fp8))
 
     q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
+    k_scale = None
+    if fp8:
+        q, q_scale = quantize_fp8(q)
+        k, k_scale = quantize_fp8(k)
+        weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32)) * q_scale
     args = flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+    args += (None if k_scale is None else k_scale.reshape(args[4].shape),)
     config = TopkConfig(k_eff, block_q, impl)
     out = partitioned_call("indexer_topk", lambda layout, *a: (impl.forward(*a, config),), args,
-                           ROLES, RESULTS)[0]
+                           ROLES + ("bt",), RESULTS)[0]  # + k_scale
     if topk > k_eff:
         out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
     return out.reshape(batch + (s_q, topk))
+
+
+def check_qk_dtype(name, qk_dtype) -> bool:
+    """Whether ``qk_dtype`` asks for the fp8 scores (``None``: no); raises for other values."""
+    if qk_dtype is None:
+        return False
+    try:
+        dtype = jnp.dtype(qk_dtype)
+    except TypeError:
+        dtype = None
+    if dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"{name}: qk_dtype must be None or 'float8_e4m3fn', got {qk_dtype!r}")
+    return True

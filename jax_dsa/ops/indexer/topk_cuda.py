@@ -5,7 +5,8 @@ The contract is the ``"xla"`` implementation's (:mod:`jax_dsa.ops.indexer.topk_x
 score, exact ties to the lower key index, ``-0.0 == +0.0``, visible scores never below the
 lowest finite float, ``-1`` past the visible keys, bitwise deterministic. What differs is the
 arithmetic of the scores: ``q`` and ``k`` are rounded to bfloat16 for the tensor cores (exact
-for bfloat16 inputs, the layers' case), ``q . k`` is accumulated in float32 by the tensor cores
+for bfloat16 inputs, the layers' case, and for the fp8 values of ``qk_dtype="float8_e4m3fn"``
+times their power-of-two scales), ``q . k`` is accumulated in float32 by the tensor cores
 and ``relu(.) * weights`` summed over the heads in float32 in a fixed order of the kernel's own.
 So for bfloat16 ``q``/``k`` the scores equal the ``"xla"`` ones up to float32 summation order
 (relative ~1e-6), and the selections agree except between keys whose scores are that close;
@@ -103,20 +104,26 @@ def supported(call: TopkCall) -> str | None:
     return module_error() or sm90_device_error()
 
 
-def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int):
+def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=None):
     """The custom call itself: ``(indices [NB, S_q, topk] int32, workspace uint8)``; the
     workspace holds the last chunk's scores (a debugging aid: rows ``[0, rows)`` of
-    ``[chunk_rows, ld]`` float32, valid inside each row's range)."""
+    ``[chunk_rows, ld]`` float32, valid inside each row's range). ``q`` and ``k`` are rounded
+    to bfloat16; with ``k_scale [NB, S_kv]`` they are float8_e4m3fn and each key row is
+    multiplied by its (power-of-two) scale first: both are exact in bfloat16, so the kernel's
+    products are the fp8 products times the key's scale, exactly."""
     nb, s_q, h, d = q.shape
     s_kv = k.shape[1]
-    why = shape_error(jnp.result_type(q, k, weights), h, d, s_kv, topk)
+    fp8 = k_scale is not None
+    why = shape_error(weights.dtype if fp8 else jnp.result_type(q, k, weights), h, d, s_kv, topk)
     if why:
         raise ValueError("indexer_topk: " + why)
     missing = module_error()
     if missing is not None:
         raise NotImplementedError("indexer_topk: " + missing)
     hp = padded_heads(h)
-    q = q.astype(jnp.bfloat16)
+    if fp8:  # e4m3 times 2^e: exact in bfloat16 (8 bits of mantissa, float32's exponents)
+        k = k.astype(jnp.float32) * k_scale.astype(jnp.float32)[..., None]
+    q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     weights = weights.astype(jnp.float32)
     if hp > h:  # zero q and zero weight: each padded head adds exactly 0
         q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
@@ -132,14 +139,15 @@ def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int):
          jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8)),
         vmap_method="sequential",
     )
-    return call(q, k.astype(jnp.bfloat16), weights, q_pos.astype(i32), kv_pos.astype(i32),
+    return call(q, k, weights, q_pos.astype(i32), kv_pos.astype(i32),
                 q_seg.astype(i32), kv_seg.astype(i32), chunk_rows=np.int64(rows))
 
 
-def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config: TopkConfig):
+def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkConfig):
     """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
-    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys."""
-    return topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config.topk)[0]
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys.
+    ``k_scale [NB, S_kv]``: fp8 ``q``/``k`` (see :func:`topk_call`)."""
+    return topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config.topk, k_scale)[0]
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, platforms=("gpu",))

@@ -14,16 +14,23 @@ from jax_dsa.ops.indexer.config import TopkConfig
 from jax_dsa.ops.registry import Implementation, always
 
 
-def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config: TopkConfig):
+def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkConfig):
     """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
-    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys."""
-    acc = acc_dtype(q, k, weights)
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys.
+    ``k_scale [NB, S_kv]`` (fp8 ``q``/``k``, else ``None``) multiplies each key's score."""
+    if k_scale is None:
+        acc = acc_dtype(q, k, weights)
+    else:  # fp8 values are exact in float32: exact products
+        acc = acc_dtype(weights)
+        q, k = q.astype(acc), k.astype(acc)
 
-    def one(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
+    def one(q, k, w, q_pos, kv_pos, q_seg, kv_seg, k_scale):
         def block(xs):
             qb, wb, pb, sb = xs
             vis = visibility(pb, kv_pos, sb, kv_seg)
             score = dense_scores(qb, k, wb, acc)
+            if k_scale is not None:
+                score = score * k_scale.astype(acc)
             # top_k orders -0.0 below +0.0: make every zero +0.0 so that zeros tie. Visible
             # scores stay above -inf so that an invisible key never outranks a visible one.
             score = jnp.where(score == 0, jnp.zeros((), acc), score)
@@ -34,7 +41,7 @@ def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config: TopkConfig):
         out = jax.lax.map(block, blocks_of(config.block_q, q, w, q_pos, q_seg))
         return unblock(out, q.shape[0])  # local rows when split over a mesh
 
-    return jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+    return jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale)
 
 
 IMPLEMENTATION = Implementation("xla", always, forward)
