@@ -6,7 +6,9 @@
 For each sequence length (one batch row, bfloat16, random weights, GLM-5 dimensions from
 ``get_config("glm5")``): the jitted forward+backward of ``DSAAttention`` in sparse mode with the
 indexer KL loss, the same without it, and each op alone with the layer's shapes: ``sparse_mla``
-forward+backward (K 2048), ``indexer_topk``, and the sparse ``indexer_kl_loss`` forward+backward.
+forward+backward (K 2048), ``indexer_topk`` (with the selected keys' scores, as the layer calls
+it), and the sparse ``indexer_kl_loss`` forward+backward (with ``sparse_mla``'s lse and the
+top-k's scores, as the layer calls it; and with the scores recomputed).
 Times are wall time around ``block_until_ready``, the median of ``--repeats`` runs after a first
 call whose time (compile + run) is reported too. ``--implementation`` goes to every op (``None``:
 each op's default order for the platform).
@@ -99,9 +101,11 @@ def op_inputs(c, s):
 def ops(c, s, implementation, repeats):
     q, kv, iq, ik, w, pos = op_inputs(c, s)
     k = c.index_topk
+    # as the layer calls it: the selected keys' scores too, for the KL loss
     topk = jax.jit(lambda iq, ik, w: indexer_topk(
-        iq, ik, w, topk=k, q_positions=pos, kv_positions=pos, implementation=implementation))
-    idx = topk(iq, ik, w)
+        iq, ik, w, topk=k, q_positions=pos, kv_positions=pos, return_scores=True,
+        implementation=implementation))
+    idx, scores = topk(iq, ik, w)
     out = {"indexer_topk": timed(topk, iq, ik, w, repeats=repeats)}
 
     @jax.jit
@@ -118,18 +122,19 @@ def ops(c, s, implementation, repeats):
                                            d_v=c.kv_lora_rank,
                                            implementation=implementation)[1])(q, kv)
 
-    def kl_step(given):
+    def kl_step(given_scores):
         @jax.jit
         def kl(iq, ik, w):
             return jax.value_and_grad(lambda iq, ik, w: indexer_kl_loss(
                 iq, ik, w, q, kv, sm_scale=c.softmax_scale, q_positions=pos, kv_positions=pos,
-                indices=idx, attention_lse=lse if given else None,
+                indices=idx, attention_lse=lse, index_scores=scores if given_scores else None,
                 implementation=implementation), argnums=(0, 1, 2))(iq, ik, w)
         return kl
 
-    # as the layer calls it: with sparse_mla's lse (the target from the attention kernel)
+    # as the layer calls it: with sparse_mla's lse (the target from the attention kernel) and
+    # the top-k's scores; then with the scores recomputed (the score kernel)
     out["indexer_kl_loss_fwd_bwd"] = timed(kl_step(True), iq, ik, w, repeats=repeats)
-    out["indexer_kl_loss_fwd_bwd_recomputed_target"] = timed(kl_step(False), iq, ik, w,
+    out["indexer_kl_loss_fwd_bwd_recomputed_scores"] = timed(kl_step(False), iq, ik, w,
                                                              repeats=repeats)
     ratio = (out["indexer_topk"]["median_ms"] + out["indexer_kl_loss_fwd_bwd"]["median_ms"]) / \
         out["sparse_mla_fwd_bwd"]["median_ms"]

@@ -503,6 +503,25 @@ def test_kl_backward_memory_is_blocked():
     assert biggest < s * s
 
 
+def test_topk_return_scores_are_the_selected_keys_scores():
+    rng = np.random.default_rng()
+    b, s_q, s_kv, h, d, topk = 2, 30, 20, 3, 8, 24  # topk > S_kv: padded slots
+    q, k, w = _rand(rng, (b, s_q, h, d)), _rand(rng, (b, s_kv, d)), _rand(rng, (b, s_q, h))
+    qp = np.broadcast_to(np.arange(s_q) - 5, (b, s_q))
+    kp = np.broadcast_to(np.arange(s_kv), (b, s_kv))
+    idx, scores = indexer_topk(q, k, w, topk=topk, q_positions=qp, kv_positions=kp,
+                               return_scores=True)
+    np.testing.assert_array_equal(idx, indexer_topk(q, k, w, topk=topk, q_positions=qp,
+                                                    kv_positions=kp))
+    assert scores.shape == (b, s_q, topk) and scores.dtype == jnp.float32
+    idx, scores = np.asarray(idx), np.asarray(scores)
+    for i in np.ndindex(b, s_q):
+        ok = idx[i] >= 0
+        assert np.all(scores[i][~ok] == -np.inf)
+        want = np_score_row(q[i], k[i[0]][idx[i][ok]], w[i])
+        np.testing.assert_allclose(scores[i][ok], want, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------
 # The fp8 scores (qk_dtype="float8_e4m3fn")
 

@@ -224,12 +224,12 @@ def dense_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, segments=True, shuffle=False)
     return x
 
 
-def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None):
+def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None, scores=None):
     def loss(iq, ik, iw):
         return op(iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
                   kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
                   indices=None if x.get("dense") else x["idx"], attention_lse=lse,
-                  implementation=impl)
+                  index_scores=scores, implementation=impl)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if jit:
@@ -272,6 +272,44 @@ def test_given_lse_matches_the_oracle(reference_kernels, impl):
     np.testing.assert_allclose(got_l, ref[0], rtol=1e-4)
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
         assert rel_l2(a, b) < 1e-4, name
+
+
+def slot_scores(x):
+    """float64 index scores of each slot (garbage on invalid slots: the support drops them)."""
+    iq, ik, iw = (np.asarray(x[n], np.float64) for n in ("iq", "ik", "iw"))
+    safe = np.clip(x["idx"], 0, ik.shape[1] - 1)
+    rows = np.stack([ik[b][safe[b]] for b in range(ik.shape[0])])  # [nb, s_q, k, 128]
+    dots = np.einsum("bshd,bskd->bshk", iq, rows)
+    return np.einsum("bshk,bsh->bsk", np.maximum(dots, 0), iw).astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", ["cuda", "xla"])
+def test_given_scores_match_the_oracle(reference_kernels, monkeypatch, impl):
+    """index_scores (the top-k's scores of the slots) with attention_lse: the float64 oracle's
+    loss and gradients, and on "cuda" no score kernel in either pass."""
+    def no_score_kernel(*a, **k):
+        raise AssertionError("the score kernel ran although index_scores were given")
+
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "score", no_score_kernel)
+    x = make_inputs(np.random.default_rng(12), 2, 24, 40, 80, 512, 5, 37)
+    sm_scale = 512 ** -0.5
+    got_l, got_g = loss_and_grads(reference_kernels, x, sm_scale, impl,
+                                  lse=attention_lse(x, sm_scale), scores=slot_scores(x))
+    ref = numpy_oracle(x, sm_scale)
+    np.testing.assert_allclose(got_l, ref[0], rtol=1e-4)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
+        assert rel_l2(a, b) < 1e-4, name
+
+
+def test_given_scores_are_checked(cuda_op):
+    x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6)
+    with pytest.raises(ValueError, match=r"index_scores must be \[..., S_q, K\]"):
+        loss_and_grads(cuda_op, x, 0.1, "xla", scores=np.zeros((1, 8, 5), np.float32))
+    with pytest.raises(TypeError, match="index_scores must be a float array"):
+        loss_and_grads(cuda_op, x, 0.1, "xla", scores=np.zeros((1, 8, 6), np.int32))
+    x = dense_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2)
+    with pytest.raises(ValueError, match="index_scores are the scores of `indices`"):
+        loss_and_grads(cuda_op, x, 0.1, "xla", scores=np.zeros((1, 8, 8), np.float32))
 
 
 def test_given_lse_is_checked(cuda_op):
@@ -409,17 +447,19 @@ def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
             sds((nb, s_q, h, d_qk), bf), sds((nb, s_kv, d_qk), bf), sds((nb, s_q), i32),
             sds((nb, s_kv), i32), sds((nb, s_q, k), i32), sds((nb, s_q, h), f32))
 
-    def loss(iq, ik, iw, q, kv, qp, kp, idx, lse):
+    def loss(iq, ik, iw, q, kv, qp, kp, idx, lse, scores=None):
         return cuda_op(iq, ik, iw, q, kv, sm_scale=0.07, q_positions=qp, kv_positions=kp,
-                       indices=idx, attention_lse=lse, implementation="cuda")
+                       indices=idx, attention_lse=lse, index_scores=scores,
+                       implementation="cuda")
 
-    text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
-            .lower(lowering_platforms=("cuda",)).as_text())
-    names = set(re.findall(r"stablehlo.custom_call @(\w+)", text))
-    assert {"jax_dsa_sparse_mla_target_cuda", kl_loss_cuda.SCORE_TARGET,
-            kl_loss_cuda.BWD_TARGET} <= names, names
-    assert kl_loss_cuda.FWD_TARGET not in names
-    assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
+    for scores in (None, sds((nb, s_q, k), f32)):
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        text = f.trace(*args, scores).lower(lowering_platforms=("cuda",)).as_text()
+        names = set(re.findall(r"stablehlo.custom_call @(\w+)", text))
+        assert {"jax_dsa_sparse_mla_target_cuda", kl_loss_cuda.BWD_TARGET} <= names, names
+        assert (kl_loss_cuda.SCORE_TARGET in names) == (scores is None), names
+        assert kl_loss_cuda.FWD_TARGET not in names
+        assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
 
 
 @pytest.mark.parametrize("given_lse", [False, True])
@@ -507,15 +547,18 @@ def test_gpu_dense_matches_float64_oracle(gpu_op, nb, s, h, d_qk, h_i, segments,
         assert rel_l2(a, b) <= 1e-2, name
 
 
-@pytest.mark.parametrize("nb,s_q,s_kv,h,d_qk,h_i,k,segments", [
-    (1, 1024, 1024, 64, 576, 32, 2048, False),  # GLM-5 dims
-    (1, 600, 700, 80, 512, 64, 300, True),      # two head groups, packed documents
+@pytest.mark.parametrize("nb,s_q,s_kv,h,d_qk,h_i,k,segments,given_scores", [
+    (1, 1024, 1024, 64, 576, 32, 2048, False, True),  # GLM-5 dims, the layer's call
+    (1, 600, 700, 80, 512, 64, 300, True, False),     # two head groups, packed documents
 ])
-def test_gpu_given_lse_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segments):
-    """The target from the attention kernel's target mode (attention_lse given)."""
+def test_gpu_given_lse_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segments,
+                                              given_scores):
+    """The target from the attention kernel's target mode (attention_lse given); the index
+    scores given (index_scores, as the top-k returns them) or from the score kernel."""
     x = make_inputs(np.random.default_rng(s_q + k + 1), nb, s_q, s_kv, h, d_qk, h_i, k, segments)
     sm_scale = d_qk ** -0.5
-    loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda", lse=attention_lse(x, sm_scale))
+    loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda", lse=attention_lse(x, sm_scale),
+                                 scores=slot_scores(x) if given_scores else None)
     ref = numpy_oracle(x, sm_scale)
     assert abs(float(loss) - ref[0]) <= 1e-3 * abs(ref[0])
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:]):

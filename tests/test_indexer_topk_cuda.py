@@ -159,6 +159,7 @@ def test_lowers_to_the_custom_call(b, s_q, s_kv, h, topk, hp, segments):
     assert operand_types.count(f"tensor<{b}x{s_q}xi32>") == 2  # positions and segment ids
     rows = tc.chunk_rows(s_q, s_kv)
     assert f"tensor<{b}x{s_q}x{k_eff}xi32>" in result_types
+    assert "tensor<0x0x0xf32>" in result_types  # no scores asked for
     assert f"tensor<{tc.workspace_bytes(s_kv, rows)}xui8>" in result_types
     assert f"chunk_rows = {rows}" in attrs
     # No dense selection left in the program: no sort, no top-k.
@@ -298,3 +299,39 @@ def test_gpu_fp8_matches_the_fp8_oracle_and_xla(h, s_q, s_kv, topk):
     ref = run("xla")
     same = np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(got, ref)])
     assert same > 0.97, same
+
+
+@needs_module
+def test_return_scores_lowers_to_a_scores_result():
+    sds = jax.ShapeDtypeStruct
+    b, s_q, s_kv, h, topk = 2, 70, 90, 32, 16
+    args = (sds((b, s_q, h, 128), jnp.bfloat16), sds((b, s_kv, 128), jnp.bfloat16),
+            sds((b, s_q, h), jnp.float32), sds((b, s_q), jnp.int32), sds((b, s_kv), jnp.int32))
+    f = lambda q, k, w, qp, kp: indexer_topk(q, k, w, topk=topk, q_positions=qp, kv_positions=kp,
+                                             return_scores=True, implementation="cuda")
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\(.*?\) \{.*?\} : \(.*?\) -> (.*)", text)
+    ours = [r for name, r in calls if name == tc.TARGET]
+    assert len(ours) == 1 and f"tensor<{b}x{s_q}x{topk}xf32>" in ours[0], ours
+
+
+@needs_sm90
+def test_gpu_return_scores_match_the_oracle():
+    rng = np.random.default_rng()
+    s_q, s_kv, h, topk = 300, 2100, 32, 2048
+    q = _bf(rng.standard_normal((s_q, h, 128)) * 0.5)
+    k = _bf(rng.standard_normal((s_kv, 128)))
+    w = (rng.standard_normal((s_q, h)) * 0.02).astype(np.float32)
+    qp, kp = np.arange(s_q) + (s_kv - s_q), np.arange(s_kv)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w))
+    idx, scores = indexer_topk(*args, topk=topk, q_positions=qp, kv_positions=kp,
+                               return_scores=True, implementation="cuda")
+    idx, scores = np.asarray(idx), np.asarray(scores)
+    np.testing.assert_array_equal(idx, np.asarray(indexer_topk(
+        *args, topk=topk, q_positions=qp, kv_positions=kp, implementation="cuda")))
+    score, tol = _oracle(q, k, w)
+    ok = idx >= 0
+    assert np.all(scores[~ok] == -np.inf)
+    rows = np.nonzero(ok)[0]
+    assert np.all(np.abs(scores[ok] - score[rows, idx[ok]]) <= tol[rows, idx[ok]])
+    assert np.all(np.diff(scores, axis=1)[ok[:, 1:]] <= 0)  # descending (valid slots lead)

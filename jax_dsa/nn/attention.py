@@ -211,6 +211,7 @@ class DSAAttention(nnx.Module):
         kv = constrain(kv, ("batch", "sequence", None))  # split by token; the op gathers it
         index_qkw = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
 
+        index_scores = None  # the slots' index scores, when the top-k gives them
         if indices is None and attention_mode == "dense":
             # every visible key, from positions and segment ids: no [S, S] slot list
             o_lat, lse = dense_mla(
@@ -221,8 +222,13 @@ class DSAAttention(nnx.Module):
         else:
             own = indices is None  # slots from this layer's indexer: all visible
             if own:
+                # the KL loss takes the slots' scores from the top-k (unless they are fp8 ones)
+                with_scores = compute_indexer_loss and self.indexer.qk_dtype is None
                 indices = self.indexer.topk(*index_qkw, positions, segment_ids,
-                                            implementation=implementation)
+                                            implementation=implementation,
+                                            return_scores=with_scores)
+                if with_scores:  # (the KL loss then runs no score kernel on "cuda")
+                    indices, index_scores = indices
             indices = indices.astype(jnp.int32)
             o_lat, lse = sparse_mla(
                 q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation
@@ -241,7 +247,7 @@ class DSAAttention(nnx.Module):
                 indices=None if attention_mode == "dense" else indices,
                 # the attention's own denominators over the same support: the target is not
                 # recomputed from a softmax ("cuda": the attention kernel's target mode)
-                attention_lse=lse,
+                attention_lse=lse, index_scores=index_scores,
                 implementation=KL_REGISTRY.restrict(implementation),
             ).astype(jnp.float32)
         return out, {"indices": indices, "indexer_loss": loss}

@@ -110,8 +110,10 @@ class Indexer(nnx.Module):
         weights = constrain(weights, ("batch", "sequence", "index_heads"))
         return q, k, weights
 
-    def topk(self, q, k, weights, positions, segment_ids=None, *, implementation=None):
-        """Top-``min(index_topk, S)`` visible keys per query: ``[B, S, K]`` int32, ``-1`` padded.
+    def topk(self, q, k, weights, positions, segment_ids=None, *, implementation=None,
+             return_scores=False):
+        """Top-``min(index_topk, S)`` visible keys per query: ``[B, S, K]`` int32, ``-1`` padded
+        (with ``return_scores``: and their ``[B, S, K]`` float32 scores, ``-inf`` on ``-1``).
 
         See :func:`jax_dsa.ops.indexer.indexer_topk` for ordering and ties. ``implementation``:
         the layer's choice; the names :func:`~jax_dsa.ops.indexer.indexer_topk` lacks are
@@ -121,5 +123,5 @@ class Indexer(nnx.Module):
         return indexer_topk(
             q, k, weights, topk=topk, q_positions=positions, kv_positions=positions,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids, qk_dtype=self.qk_dtype,
-            implementation=TOPK_REGISTRY.restrict(implementation),
+            return_scores=return_scores, implementation=TOPK_REGISTRY.restrict(implementation),
         )

@@ -371,6 +371,12 @@ __device__ __forceinline__ uint32_t ScoreKey(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The score of a key (ScoreKey's inverse; -inf for 0).
+__device__ __forceinline__ float KeyScore(uint32_t k) {
+  if (k == 0u) return -INFINITY;
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 // hist[bin] += 1 for each lane with `active` (all lanes of the warp call it).
 __device__ __forceinline__ void HistAdd(unsigned* hist, unsigned bin, bool active, int lane) {
   const unsigned m = __ballot_sync(kFull, active);
@@ -393,7 +399,7 @@ struct SelectState {
 template <bool CACHE, bool FAST>
 __global__ void __launch_bounds__(kTopkThreads, 1)
 TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict__ ranges, int topk,
-           int32_t* __restrict__ out) {
+           int32_t* __restrict__ out, float* __restrict__ out_scores) {
   extern __shared__ uint4 cache4[];  // CACHE: the row's keys
   __shared__ unsigned hist[256];
   __shared__ unsigned long long sel[kTopkMaxK];
@@ -616,13 +622,21 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
       }
     }
     int32_t* o = out + int64_t(r) * topk;
+    float* os = out_scores ? out_scores + int64_t(r) * topk : nullptr;
     if (act) {
-      if (e0 < unsigned(topk))
+      if (e0 < unsigned(topk)) {
         o[e0] = e0 < kprime ? int32_t(0xffffffffu - uint32_t(x0 & 0xffffffffull)) : -1;
-      if (e0 + 1 < unsigned(topk))
+        if (os) os[e0] = e0 < kprime ? KeyScore(uint32_t(x0 >> 32)) : -INFINITY;
+      }
+      if (e0 + 1 < unsigned(topk)) {
         o[e0 + 1] = e0 + 1 < kprime ? int32_t(0xffffffffu - uint32_t(x1 & 0xffffffffull)) : -1;
+        if (os) os[e0 + 1] = e0 + 1 < kprime ? KeyScore(uint32_t(x1 >> 32)) : -INFINITY;
+      }
     }
-    for (int i = int(P) + tid; i < topk; i += kTopkThreads) o[i] = -1;
+    for (int i = int(P) + tid; i < topk; i += kTopkThreads) {
+      o[i] = -1;
+      if (os) os[i] = -INFINITY;
+    }
   } else {
     // Pad to a power of two with 0 (below every real entry) and sort descending.
     unsigned P = 1;
@@ -648,8 +662,12 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
       }
     }
     int32_t* o = out + int64_t(r) * topk;
-    for (int i = tid; i < topk; i += kTopkThreads)
+    for (int i = tid; i < topk; i += kTopkThreads) {
       o[i] = unsigned(i) < kprime ? int32_t(0xffffffffu - uint32_t(sel[i] & 0xffffffffull)) : -1;
+      if (out_scores)
+        out_scores[int64_t(r) * topk + i] =
+            unsigned(i) < kprime ? KeyScore(uint32_t(sel[i] >> 32)) : -INFINITY;
+    }
   }
 }
 
@@ -809,17 +827,18 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
       if (score_only) continue;
       *what = "launching the top-k kernel";
       int32_t* oo = a.out + t0 * a.topk;
+      float* os = a.out_scores ? a.out_scores + t0 * a.topk : nullptr;
       const size_t smem = cache ? size_t(ld) * 4 : 0;
       if (topk_variant == 0) {
         if (cache)
-          TopkKernel<true, false><<<rows, kTopkThreads, smem, a.stream>>>(scores, ld, ranges, int(a.topk), oo);
+          TopkKernel<true, false><<<rows, kTopkThreads, smem, a.stream>>>(scores, ld, ranges, int(a.topk), oo, os);
         else
-          TopkKernel<false, false><<<rows, kTopkThreads, 0, a.stream>>>(scores, ld, ranges, int(a.topk), oo);
+          TopkKernel<false, false><<<rows, kTopkThreads, 0, a.stream>>>(scores, ld, ranges, int(a.topk), oo, os);
       } else {
         if (cache)
-          TopkKernel<true, true><<<rows, kTopkThreads, smem, a.stream>>>(scores, ld, ranges, int(a.topk), oo);
+          TopkKernel<true, true><<<rows, kTopkThreads, smem, a.stream>>>(scores, ld, ranges, int(a.topk), oo, os);
         else
-          TopkKernel<false, true><<<rows, kTopkThreads, 0, a.stream>>>(scores, ld, ranges, int(a.topk), oo);
+          TopkKernel<false, true><<<rows, kTopkThreads, 0, a.stream>>>(scores, ld, ranges, int(a.topk), oo, os);
       }
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     }

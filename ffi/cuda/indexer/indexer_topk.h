@@ -14,7 +14,8 @@
 // in registers, -inf for invisible keys; the key tiles that no query of a CTA can see are skipped
 // and the row's scanned range [lo, hi) is recorded; (3) the top-k kernel: one CTA per row,
 // radix select on order-preserving uint32 keys (8 bits a pass), lowest-index tie rule by an
-// ordered prefix count, bitonic sort of (key, ~index) in shared memory.
+// ordered prefix count, bitonic sort of (key, ~index) in shared memory; optionally the selected
+// keys' scores beside their indices.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -66,6 +67,8 @@ struct TopkLaunch {
   int score_variant = -1;
   int stages = 0;
   int topk_variant = -1;  // -1: the default, or JAX_DSA_INDEXER_TOPK_VARIANT
+  // Optional [nb, s_q, topk] fp32: each selected key's score (-inf past the visible count).
+  float* out_scores = nullptr;
 };
 
 // Numbers of score and top-k kernel variants (TopkLaunch::score_variant, ::topk_variant).

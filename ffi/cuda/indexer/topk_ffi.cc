@@ -6,7 +6,9 @@
 // padded with zero q and zero weight), k [NB, S_kv, 128] bf16, weights [NB, S_q, H] f32,
 // q_pos [NB, S_q], kv_pos [NB, S_kv], q_seg [NB, S_q], kv_seg [NB, S_kv] int32 (zeros for no
 // segments). Results: indices [NB, S_q, K] int32 (K <= 2048), workspace [W] u8 with
-// W = workspace_bytes(S_kv, chunk_rows). Attribute chunk_rows: query rows per score chunk.
+// W = workspace_bytes(S_kv, chunk_rows), scores [NB, S_q, K] f32 (the selected keys' scores, -inf
+// past the visible count) or [0, 0, 0] (not written). Attribute chunk_rows: query rows per score
+// chunk.
 
 #include <cuda_runtime.h>
 
@@ -38,7 +40,8 @@ ffi::Error Topk(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ff
                 ffi::Buffer<ffi::F32, 3> w, ffi::Buffer<ffi::S32, 2> q_pos,
                 ffi::Buffer<ffi::S32, 2> kv_pos, ffi::Buffer<ffi::S32, 2> q_seg,
                 ffi::Buffer<ffi::S32, 2> kv_seg, ffi::ResultBuffer<ffi::S32, 3> out,
-                ffi::ResultBuffer<ffi::U8, 1> workspace, int64_t chunk_rows) {
+                ffi::ResultBuffer<ffi::U8, 1> workspace, ffi::ResultBuffer<ffi::F32, 3> scores,
+                int64_t chunk_rows) {
   const auto qd = q.dimensions();
   const int64_t nb = qd[0], s_q = qd[1], h = qd[2], d = qd[3];
   const int64_t s_kv = k.dimensions()[1];
@@ -58,6 +61,9 @@ ffi::Error Topk(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ff
   if (!Shaped(kv_seg, {nb, s_kv})) return Invalid("kv_seg " + Dims(kv_seg.dimensions()) + " must be [NB, S_kv]");
   if (!Shaped(*out, {nb, s_q, topk}))
     return Invalid("indices " + Dims(out->dimensions()) + " must be [NB, S_q, K]");
+  const bool with_scores = scores->element_count() != 0;
+  if (with_scores && !Shaped(*scores, {nb, s_q, topk}))
+    return Invalid("scores " + Dims(scores->dimensions()) + " must be [NB, S_q, K] or empty");
   if (topk < 1 || topk > kTopkMaxK)
     return Invalid("K = " + std::to_string(topk) + " must be in [1, " + std::to_string(kTopkMaxK) + "]");
   if (s_kv < 1 || s_kv > kTopkMaxSkv)
@@ -74,6 +80,7 @@ ffi::Error Topk(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ff
   TopkLaunch a{q.untyped_data(), k.untyped_data(), w.typed_data(), q_pos.typed_data(),
                kv_pos.typed_data(), q_seg.typed_data(), kv_seg.typed_data(), out->typed_data(),
                workspace->untyped_data(), nb, s_q, s_kv, h, topk, chunk_rows, stream};
+  a.out_scores = with_scores ? scores->typed_data() : nullptr;
   const char* what = "";
   cudaError_t e = LaunchTopk(a, &what);
   if (e == cudaSuccess) return ffi::Error::Success();
@@ -97,6 +104,7 @@ ffi::Error Topk(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ff
       .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_seg */ \
       .Ret<ffi::Buffer<ffi::S32, 3>>()  /* indices */ \
       .Ret<ffi::Buffer<ffi::U8, 1>>()   /* workspace */ \
+      .Ret<ffi::Buffer<ffi::F32, 3>>()  /* scores */ \
       .Attr<int64_t>("chunk_rows")
 
 // Capture-safe: kernel launches on XLA's stream only (the shared-memory limits are raised in

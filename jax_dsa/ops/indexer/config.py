@@ -36,11 +36,13 @@ class TopkConfig:
       topk: keys per query actually selected (``min(topk, S_kv)``; the op pads the rest).
       block_q: query rows per block of the ``"xla"`` implementation.
       implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
+      scores: also return the selected keys' scores (``indexer_topk(return_scores=True)``).
     """
 
     topk: int
     block_q: int
     implementation: object
+    scores: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,8 @@ class KLConfig:
       implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
       given_lse: ``indexer_kl_loss`` only: the operands hold ``attention_lse`` before the slots
         (the target's per-head denominators are given, not recomputed).
+      given_scores: ``indexer_kl_loss`` only: the operands hold ``index_scores`` just before the
+        slots (the index scores of the slots, from the top-k).
     """
 
     sm_scale: float
@@ -85,3 +89,12 @@ class KLConfig:
     block_q: int
     implementation: object
     given_lse: bool = False
+    given_scores: bool = False
+
+    def unpack(self, rest):
+        """``(attention_lse, index_scores, slots)`` from the operands after ``kv`` (``None``
+        for an absent one)."""
+        *given, idx = rest
+        lse = given.pop(0) if self.given_lse else None
+        scores = given.pop(0) if self.given_scores else None
+        return lse, scores, idx

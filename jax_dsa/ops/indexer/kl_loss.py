@@ -41,6 +41,7 @@ def indexer_kl_loss(
     kv_segment_ids=None,
     indices=None,
     attention_lse=None,
+    index_scores=None,
     block_q=None,
     implementation=None,
 ):
@@ -89,6 +90,13 @@ def indexer_kl_loss(
         is ``mean_h exp(sm_scale * q . kv - attention_lse)`` renormalised over ``S_t`` (equal to
         the above up to rounding) and is not recomputed from a softmax: ``"cuda"`` then takes
         it from the attention kernel's target mode (one pass of ``Q K^T``, no ``P V``).
+      index_scores: optional ``[..., S_q, K]`` float index scores ``I`` of the ``indices``
+        slots, as :func:`~jax_dsa.ops.indexer.topk.indexer_topk` returns them with
+        ``return_scores=True`` for the same ``index_q``, ``index_k``, ``index_weights`` and
+        positions (without ``qk_dtype``). The sparse form only; a value the loss may use in
+        place of recomputing the scores (``"cuda"`` with ``attention_lse``: no score kernel
+        in either pass) and carries no gradient: the gradients are those of the recomputed
+        scores. Scores that do not match the inputs give a wrong loss.
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks one from ``S_kv`` (dense) or ``K`` (sparse) so that a block's temporaries fit
         :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
@@ -104,7 +112,7 @@ def indexer_kl_loss(
 
     Raises:
       ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes (named by
-        argument), ``S_kv == 0``, ``block_q < 1``,
+        argument), ``S_kv == 0``, ``block_q < 1``, ``index_scores`` without ``indices``,
         only one of the segment ids given, an unknown implementation or one that does not
         support the call.
       NotImplementedError: the requested implementations are not built in this install.
@@ -128,13 +136,28 @@ def indexer_kl_loss(
         if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
             raise TypeError(f"{name}: attention_lse must be a float array, got "
                             f"{attention_lse.dtype}")
+    per_slot = ()
+    if index_scores is not None:
+        index_scores = jnp.asarray(index_scores)
+        if indices is None:
+            raise ValueError(f"{name}: index_scores are the scores of `indices`: give both, or "
+                             "neither for the dense form")
+        if index_scores.shape != indices.shape:
+            raise ValueError(f"{name}: index_scores must be [..., S_q, K] = {indices.shape} like "
+                             f"indices, got {index_scores.shape}")
+        if not jnp.issubdtype(index_scores.dtype, jnp.floating):
+            raise TypeError(f"{name}: index_scores must be a float array, got "
+                            f"{index_scores.dtype}")
+        per_slot = (index_scores,)
     acc = acc_dtype(index_q, index_k, index_weights, q, kv)
     if attention_lse is not None:
         per_head = (attention_lse.astype(jnp.promote_types(acc, jnp.float32)),)
     impl = REGISTRY.choose(implementation, describe(acc, index_q, q, s_kv, indices,
                                                     q_seg is not None, bool(per_head)))
     operands = flat_operands(batch, index_q, index_k, index_weights,
-                             (q_pos, kv_pos, q_seg, kv_seg), q, kv, per_head, indices)
-    config = KLConfig(float(sm_scale), h, block_q, impl, given_lse=bool(per_head))
-    kl, count = kl_call(name, config, V4_ROLES if per_head else ROLES, *operands)
+                             (q_pos, kv_pos, q_seg, kv_seg), q, kv, per_head, indices, per_slot)
+    config = KLConfig(float(sm_scale), h, block_q, impl, given_lse=bool(per_head),
+                      given_scores=bool(per_slot))
+    roles = (V4_ROLES if per_head else ROLES)[:-1] + ("bs.",) * len(per_slot) + ("bs.",)
+    kl, count = kl_call(name, config, roles, *operands)
     return mean_of_rows(kl, count, acc)

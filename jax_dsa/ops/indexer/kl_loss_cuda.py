@@ -295,13 +295,17 @@ def reference_backward_kernel(iq, ik, iw, idx, dscore):
 
 def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, rest, config):
     """``p [NB, S_q, K]`` (the target, head mean over every shard; 0 off the support) and the
-    index score (``-inf`` off the support). ``rest``: ``(idx,)`` or ``(attention_lse, idx)``."""
+    index score (``-inf`` off the support). ``rest``: the slots after the given operands
+    (:meth:`KLConfig.unpack`)."""
+    lse, given_scores, idx = config.unpack(rest)
     if config.given_lse:
-        lse, idx = rest
-        score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+        if given_scores is None:
+            score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+        else:  # the top-k's scores: only the support is formed here
+            support, _ = _support(kv_pos, q_pos, q_seg, kv_seg, idx, kv.shape[1])
+            score = jnp.where(support, given_scores.astype(jnp.float32), -jnp.inf)
         mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale)
     else:
-        (idx,) = rest
         mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
                                          sm_scale=config.sm_scale)
         mass = jnp.sum(mass, axis=0)

@@ -25,10 +25,11 @@ from jax_dsa.sharding.partition import head_logsumexp
 
 def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest, config: KLConfig):
     """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows.
-    ``rest``: ``(idx,)``, or ``(attention_lse, idx)`` when ``config.given_lse``."""
+    ``rest``: ``(idx,)``, after ``attention_lse`` and ``index_scores`` when given (see
+    :meth:`KLConfig.unpack`; the index scores are recomputed here, the given ones unused)."""
     acc = acc_dtype(iq, ik, iw, q, kv)
     scale = config.sm_scale
-    lse, idx = rest if config.given_lse else (None,) + rest
+    lse, _, idx = config.unpack(rest)
 
     def one(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, lse):
         row_ok = jnp.ones(iq.shape[:1], jnp.bool_)  # local rows when split over a mesh

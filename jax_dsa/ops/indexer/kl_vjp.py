@@ -110,10 +110,12 @@ def describe(acc, index_q, q, s_kv, indices, segments: bool, given_lse: bool = F
     return KLCall(jnp.dtype(acc), h_i, d_i, h, d_qk, s_q, s_kv, topk, segments, given_lse)
 
 
-def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per_head, indices):
+def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per_head, indices,
+                  per_slot=()):
     """The operands of :func:`kl_call` on one flattened batch dim, in :data:`ROLES` order, with
-    ``per_head`` (``[..., S_q, H]`` arrays, e.g. V4's ``attention_lse``) before the slots; the
-    main attention's tensors are detached."""
+    ``per_head`` (``[..., S_q, H]`` arrays, e.g. V4's ``attention_lse``) and then ``per_slot``
+    (``[..., S_q, K]``, e.g. ``index_scores``; role ``"bs."``) before the slots; the main
+    attention's tensors and those arrays are detached."""
     nb = 1
     for n in batch:
         nb *= n
@@ -123,5 +125,6 @@ def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per
     main = (q.reshape((nb, s_q, h, d_qk)),
             jax.lax.stop_gradient(kv).reshape((nb, kv.shape[-2], d_qk)))
     per_head = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, h)) for x in per_head)
+    per_slot = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, -1)) for x in per_slot)
     idx = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
-    return flat + main + per_head + (idx,)
+    return flat + main + per_head + per_slot + (idx,)

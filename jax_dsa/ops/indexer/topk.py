@@ -35,7 +35,7 @@ REGISTRY = Registry("indexer_topk", (topk_xla.IMPLEMENTATION, topk_cuda.IMPLEMEN
                     preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
 
 ROLES = ("bs..", "bt.", "bs.", "bs", "bt", "bs", "bt")  # shared with the KL losses' operands
-RESULTS = (Result("bs."),)  # [NB, S_q, topk] global key indices
+RESULTS = (Result("bs."), Result("bs."))  # [NB, S_q, topk] global key indices, their scores
 
 
 def indexer_topk(
@@ -50,6 +50,7 @@ def indexer_topk(
     kv_segment_ids=None,
     block_q=None,
     qk_dtype=None,
+    return_scores=False,
     implementation=None,
 ):
     """The ``topk`` visible keys of each query by lightning-indexer score.
@@ -84,6 +85,8 @@ def indexer_topk(
         q_scale[t, h]) * relu(q_fp8[t, h] . k_fp8[s])``. ``"cuda"`` runs the products on fp8
         tensor cores; ``"xla"`` in float32 (exact products). The selection then follows the
         fp8 scores, as in DeepSeek-V3.2's and prime-rl's inference, not the bf16 ones.
+      return_scores: also return each selected key's score as the implementation computed it,
+        e.g. for :func:`~jax_dsa.ops.indexer.kl_loss.indexer_kl_loss`'s ``index_scores``.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
         pure JAX, any platform. ``"cuda"``: SM90 kernels (:mod:`~jax_dsa.ops.indexer.topk_cuda`;
@@ -91,7 +94,10 @@ def indexer_topk(
         index_n_heads <= 64, topk <= 2048).
 
     Returns:
-      ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded.
+      ``[..., S_q, topk]`` int32 key indices into the same batch element's ``k``, ``-1`` padded;
+      with ``return_scores``, ``(indices, scores)`` where ``scores [..., S_q, topk]`` float32
+      (float64 for float64 inputs on ``"xla"``) holds ``I[t, indices[t, j]]`` and ``-inf`` on
+      ``-1`` slots (visible scores are clamped to the lowest finite float, ``-0.0`` to ``+0.0``).
 
     Raises:
       ValueError: wrong ranks or shapes (named by argument), ``S_kv == 0``, ``topk < 1``,
@@ -128,12 +134,15 @@ def indexer_topk(
         weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32)) * q_scale
     args = flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
     args += (None if k_scale is None else k_scale.reshape(args[4].shape),)
-    config = TopkConfig(k_eff, block_q, impl)
-    out = partitioned_call("indexer_topk", lambda layout, *a: (impl.forward(*a, config),), args,
-                           ROLES + ("bt",), RESULTS)[0]  # + k_scale
-    if topk > k_eff:
-        out = jnp.pad(out, ((0, 0), (0, 0), (0, topk - k_eff)), constant_values=-1)
-    return out.reshape(batch + (s_q, topk))
+    return_scores = bool(return_scores)
+    config = TopkConfig(k_eff, block_q, impl, return_scores)
+    outs = partitioned_call("indexer_topk", lambda layout, *a: impl.forward(*a, config), args,
+                            ROLES + ("bt",), RESULTS[:1 + return_scores])  # + k_scale
+    pad = ((0, 0), (0, 0), (0, topk - k_eff))
+    fills = (-1, -jnp.inf)
+    outs = tuple(jnp.pad(x, pad, constant_values=f).reshape(batch + (s_q, topk))
+                 for x, f in zip(outs, fills))
+    return outs if return_scores else outs[0]
 
 
 def check_qk_dtype(name, qk_dtype) -> bool:

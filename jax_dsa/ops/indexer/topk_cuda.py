@@ -104,10 +104,13 @@ def supported(call: TopkCall) -> str | None:
     return module_error() or sm90_device_error()
 
 
-def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=None):
-    """The custom call itself: ``(indices [NB, S_q, topk] int32, workspace uint8)``; the
-    workspace holds the last chunk's scores (a debugging aid: rows ``[0, rows)`` of
-    ``[chunk_rows, ld]`` float32, valid inside each row's range). ``q`` and ``k`` are rounded
+def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=None,
+              with_scores: bool = False):
+    """The custom call itself: ``(indices [NB, S_q, topk] int32, workspace uint8, scores)``
+    with ``scores [NB, S_q, topk]`` float32 (the selected keys' scores, ``-inf`` on ``-1``
+    slots) when ``with_scores``, else ``[0, 0, 0]``. The workspace holds the last chunk's
+    scores (a debugging aid: rows ``[0, rows)`` of ``[chunk_rows, ld]`` float32, valid inside
+    each row's range). ``q`` and ``k`` are rounded
     to bfloat16; with ``k_scale [NB, S_kv]`` they are float8_e4m3fn and each key row is
     multiplied by its (power-of-two) scale first: both are exact in bfloat16, so the kernel's
     products are the fp8 products times the key's scale, exactly."""
@@ -136,7 +139,8 @@ def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=No
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((nb, s_q, topk), i32),
-         jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8)),
+         jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8),
+         jax.ShapeDtypeStruct((nb, s_q, topk) if with_scores else (0, 0, 0), jnp.float32)),
         vmap_method="sequential",
     )
     return call(q, k, weights, q_pos.astype(i32), kv_pos.astype(i32),
@@ -145,9 +149,12 @@ def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=No
 
 def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkConfig):
     """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
-    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys.
-    ``k_scale [NB, S_kv]``: fp8 ``q``/``k`` (see :func:`topk_call`)."""
-    return topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config.topk, k_scale)[0]
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys;
+    with ``config.scores`` also their scores (``-inf`` on ``-1``). ``k_scale [NB, S_kv]``: fp8
+    ``q``/``k`` (see :func:`topk_call`)."""
+    idx, _, scores = topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, config.topk, k_scale,
+                               with_scores=config.scores)
+    return (idx, scores) if config.scores else (idx,)
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, platforms=("gpu",))

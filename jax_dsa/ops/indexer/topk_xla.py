@@ -16,8 +16,9 @@ from jax_dsa.ops.registry import Implementation, always
 
 def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkConfig):
     """``[NB, S_q, config.topk]`` int32 key indices on flattened batches (segment ids may be
-    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys.
-    ``k_scale [NB, S_kv]`` (fp8 ``q``/``k``, else ``None``) multiplies each key's score."""
+    ``None``): descending score, ties to the lower key index, ``-1`` past the visible keys;
+    with ``config.scores`` also their scores (``-inf`` on ``-1``). ``k_scale [NB, S_kv]`` (fp8
+    ``q``/``k``, else ``None``) multiplies each key's score."""
     if k_scale is None:
         acc = acc_dtype(q, k, weights)
     else:  # fp8 values are exact in float32: exact products
@@ -36,12 +37,13 @@ def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkCo
             score = jnp.where(score == 0, jnp.zeros((), acc), score)
             score = jnp.where(vis, jnp.maximum(score, jnp.finfo(acc).min), -jnp.inf)
             vals, idx = jax.lax.top_k(score, config.topk)
-            return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
+            return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32), vals
 
-        out = jax.lax.map(block, blocks_of(config.block_q, q, w, q_pos, q_seg))
-        return unblock(out, q.shape[0])  # local rows when split over a mesh
+        idx, vals = jax.lax.map(block, blocks_of(config.block_q, q, w, q_pos, q_seg))
+        return unblock(idx, q.shape[0]), unblock(vals, q.shape[0])  # local rows over a mesh
 
-    return jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale)
+    idx, vals = jax.vmap(one)(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale)
+    return (idx, vals) if config.scores else (idx,)
 
 
 IMPLEMENTATION = Implementation("xla", always, forward)
