@@ -1,6 +1,6 @@
 """Speed of indexer_topk(implementation="cuda") on an SM90 GPU, with "xla" for the ratio.
 
-    python benchmarks/gpu_indexer_topk.py [--out results.json] [--reps 20] [--no-xla]
+    python benchmarks/gpu_indexer_topk.py [--out results.json] [--reps 20] [--no-xla] [--only 16k]
 
 GLM-5's indexer (index heads 32, head dim 128, topk 2048) at S_q = S_kv in {4096, 16384, 32768}
 causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 heads at 16384.
@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--only", default="", help="time only the shapes whose name contains this")
     a = ap.parse_args()
     dev = jax.devices()[0]
     print("device:", dev.device_kind, getattr(dev, "compute_capability", None), flush=True)
@@ -64,6 +65,8 @@ def main():
     key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
     rows = []
     for name, h, s_q, s_kv, topk, off, with_xla in shapes:
+        if a.only not in name:
+            continue
         k1, k2, k3, key = jax.random.split(key, 4)
         q = (jax.random.normal(k1, (s_q, h, 128), jnp.float32) * 0.5).astype(jnp.bfloat16)
         kk = jax.random.normal(k2, (s_kv, 128), jnp.float32).astype(jnp.bfloat16)
