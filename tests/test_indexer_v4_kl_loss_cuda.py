@@ -81,7 +81,6 @@ def _call(**over):
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(topk=None), "sparse form only"),
     (dict(d_qk=128), "D_qk"),
     (dict(index_n_heads=128), "at most 64 index heads"),
     (dict(h=256), "at most 128 heads"),
@@ -129,12 +128,14 @@ def _logsumexp(a, axis):
         return np.squeeze(np.log(np.sum(np.exp(a - m), axis=axis, keepdims=True)) + m, axis)
 
 
-def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, block=16):
+def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, block=16,
+                dense=False):
     """bf16-representable float32 inputs with -1 and out-of-range slots, duplicates, rows
     without support, packed documents, and attention_lse = log(window and sink mass + the
     support's exp-logits) per head; in rows t % 5 == 2 every head's compressed mass is ~1e-44 of
     the rest (below float32's normal range), in rows t % 5 == 3 ~1e-30, in rows t % 5 == 4 half
-    of the heads' is ~1e-44."""
+    of the heads' is ~1e-44. ``dense``: ``idx`` every entry (the dense form's support, for the
+    oracle; the op gets ``indices=None``)."""
     iq = bf16_round(rng.standard_normal((nb, s_q, h_i, 128)))
     ik = bf16_round(rng.standard_normal((nb, s_kv, 128)))
     iw = (rng.standard_normal((nb, s_q, h_i)) * h_i ** -0.5 * 128 ** -0.5).astype(np.float32)
@@ -155,12 +156,15 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, bl
     glob = np.arange(s_q) + off
     idx = (rng.random((nb, s_q, k)) * (np.minimum(glob, s_kv - 1)[None, :, None] + 1)).astype(
         np.int32)
-    idx[rng.random(idx.shape) < 0.1] = -1
-    idx[rng.random(idx.shape) < 0.02] = s_kv + 3  # out of range
-    idx[:, ::7, 1] = idx[:, ::7, 0]  # duplicates
-    idx[0, 1] = -1  # a row without any valid slot
-    if s_q > 5:
-        idx[-1, 5] = s_kv  # another, out of range
+    if dense:
+        idx = np.broadcast_to(np.arange(s_kv, dtype=np.int32), (nb, s_q, s_kv)).copy()
+    else:
+        idx[rng.random(idx.shape) < 0.1] = -1
+        idx[rng.random(idx.shape) < 0.02] = s_kv + 3  # out of range
+        idx[:, ::7, 1] = idx[:, ::7, 0]  # duplicates
+        idx[0, 1] = -1  # a row without any valid slot
+        if s_q > 5:
+            idx[-1, 5] = s_kv  # another, out of range
     x = dict(iq=iq, ik=ik, iw=iw, q=q, kv=kv, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg,
              kv_seg=kv_seg, idx=idx)
     # The window and sink mass (natural log, per head), then the shifts of the underflow rows.
@@ -227,21 +231,22 @@ def rel_l2(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
-def loss_fn(op, sm_scale, impl):
+def loss_fn(op, sm_scale, impl, dense=False):
     """jit(value_and_grad) of the loss in (index_q, index_k, index_weights), taking the input
-    dict (every tensor an argument: one compile per shape)."""
+    dict (every tensor an argument: one compile per shape); ``dense``: the dense form."""
 
     def loss(iq, ik, iw, x):
         return op(iq, ik, iw, x["q"], x["kv"], x["lse"], sm_scale=sm_scale,
                   q_positions=x["q_pos"], kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"],
-                  kv_segment_ids=x["kv_seg"], indices=x["idx"], implementation=impl)
+                  kv_segment_ids=x["kv_seg"], indices=None if dense else x["idx"],
+                  implementation=impl)
 
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return lambda x: f(x["iq"], x["ik"], x["iw"], x)
 
 
-def loss_and_grads(op, x, sm_scale, impl):
-    return loss_fn(op, sm_scale, impl)(x)
+def loss_and_grads(op, x, sm_scale, impl, dense=False):
+    return loss_fn(op, sm_scale, impl, dense)(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,11 +334,46 @@ def test_glue_under_sharding_matches_unsharded(reference_kernels, sizes):
         assert rel_l2(a, b) < 1e-5, name
 
 
-def test_dense_form_is_refused(cuda_op):
-    x = make_inputs(np.random.default_rng(0), 1, 8, 8, 4, 512, 2, 6, 0.1)
-    with pytest.raises(ValueError, match="sparse form only"):
-        cuda_op(x["iq"], x["ik"], x["iw"], x["q"], x["kv"], x["lse"], sm_scale=0.1,
-                q_positions=x["q_pos"], kv_positions=x["kv_pos"], implementation="cuda")
+@pytest.mark.parametrize("segments", [False, True])
+def test_dense_glue_matches_xla_and_oracle(reference_kernels, monkeypatch, segments):
+    """The dense form over several chunks (CHUNK cut to 8: rows span 1-5 chunks), with rows whose
+    compressed mass underflows float32 next to the window and sink, packed documents, batch 2."""
+    monkeypatch.setattr(kl_loss_cuda, "CHUNK", 8)
+    sm_scale = 512 ** -0.5
+    x = make_inputs(np.random.default_rng(21), 2, 24, 36, 80, 512, 5, 1, sm_scale, segments,
+                    dense=True)
+    x_op = {k: v for k, v in x.items() if k != "idx"}
+    x_op["idx"] = None
+    got_l, got_g = loss_and_grads(reference_kernels, x_op, sm_scale, "cuda", dense=True)
+    want_l, want_g = loss_and_grads(reference_kernels, x_op, sm_scale, "xla", dense=True)
+    np.testing.assert_allclose(got_l, want_l, rtol=2e-5)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
+        assert rel_l2(a, b) < 2e-5, name
+    ref = numpy_oracle(x, sm_scale)
+    np.testing.assert_allclose(got_l, ref[0], rtol=2e-5)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
+        assert rel_l2(a, b) < 2e-5, name
+
+
+def test_dense_glue_lowers_to_chunked_kernels(cuda_op, monkeypatch):
+    monkeypatch.setattr(v4_kl_loss_cuda, "sm90_device_error", lambda: None)
+    f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    sds = jax.ShapeDtypeStruct
+    s_q, s_c, h, h_i = 4096, 3000, 64, 64
+    args = (sds((1, s_q, h_i, 128), bf), sds((1, s_c, 128), bf), sds((1, s_q, h_i), f32),
+            sds((1, s_q, h, 512), bf), sds((1, s_c, 512), bf), sds((1, s_q, h), f32),
+            sds((1, s_q), i32), sds((1, s_c), i32))
+
+    def loss(iq, ik, iw, q, kv, lse, qp, kp):
+        return cuda_op(iq, ik, iw, q, kv, lse, sm_scale=0.07, q_positions=qp, kv_positions=kp,
+                       implementation="cuda")
+
+    text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    names = set(re.findall(r"stablehlo.custom_call @(\w+)", text))
+    assert {v4_kl_loss_cuda.FWD_TARGET, v4_kl_loss_cuda.BWD_TARGET} <= names, names
+    assert "stablehlo.while" in text and f"tensor<{s_q}x2048xf32>" in text
+    assert f"{s_q}x{s_c}x" not in text  # no [S_q, S_kv] value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,4 +486,25 @@ def test_gpu_underflowing_compressed_mass(gpu_op):
           f"grads rel L2 {errs}")
     assert rel <= 1e-3
     for name in errs:
+        assert errs[name] <= 1e-2, name
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_gpu_dense_matches_float64_oracle(gpu_op, segments):
+    """The dense form: 2500 compressed entries (two chunks of 2048, the second partial), V4-Flash
+    heads; packed documents."""
+    sm_scale = 512 ** -0.5
+    x = make_inputs(np.random.default_rng(31 + segments), 1, 600, 2500, 64, 512, 64, 1,
+                    sm_scale, segments, block=64, dense=True)
+    x_op = {k: v for k, v in x.items() if k != "idx"}
+    x_op["idx"] = None
+    loss, grads = loss_and_grads(gpu_op, x_op, sm_scale, "cuda", dense=True)
+    ref = numpy_oracle(x, sm_scale, block=64)
+    rel = abs(float(loss) - ref[0]) / abs(ref[0])
+    errs = {n: rel_l2(a, b) for n, a, b in zip(("d_iq", "d_ik", "d_w"), grads, ref[1:])}
+    print(f"v4 dense kl cuda segments={segments}: loss {float(loss):.6g} oracle {ref[0]:.6g} "
+          f"rel {rel:.2e} grads rel L2 {errs}")
+    assert rel <= 1e-3
+    for name, a in zip(("d_iq", "d_ik", "d_w"), grads):
+        assert np.all(np.isfinite(np.asarray(a))), name
         assert errs[name] <= 1e-2, name

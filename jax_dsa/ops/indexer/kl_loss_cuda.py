@@ -329,16 +329,11 @@ def _exp_from(x, m):
     return jnp.where(x == -jnp.inf, 0.0, jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)))
 
 
-def _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
-                  init):
-    """Runs ``carry = step(carry, idx, p, score)`` over the dense form's key chunks (see the
-    module docstring): ``idx [NB, S_q, CHUNK']`` the chunk's keys (-1 past a row's), ``p`` the
-    target's head sum (every head shard's; 0 off the support), ``score`` the index score (-inf
-    off it). Returns ``(carry, visible key count [NB, S_q])``."""
-    s_kv = kv.shape[1]
+def scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, s_kv, step, init):
+    """Runs ``carry = step(carry, idx, n)`` over the dense form's key chunks (see the module
+    docstring): ``idx [NB, S_q, CHUNK']`` the chunk's keys (-1 past a row's ``n [NB, S_q]``).
+    Returns ``(carry, visible key count [NB, S_q])``."""
     width = min(CHUNK, s_kv)
-    if lse is None:
-        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
     perm, lo, count = dense_runs(q_pos, kv_pos, q_seg, kv_seg)
     cols = jnp.arange(width, dtype=jnp.int32)
 
@@ -347,15 +342,30 @@ def _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, 
         n = jnp.clip(count - first, 0, width)
         at = jnp.minimum(lo[..., None] + first + cols, s_kv - 1)
         idx = jnp.where(cols < n[..., None], jax.vmap(lambda p, i: p[i])(perm, at), -1)
+        return step(carry, idx, n), None
+
+    carry, _ = jax.lax.scan(body, init, jnp.arange(-(-s_kv // width), dtype=jnp.int32))
+    return carry, count
+
+
+def _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
+                  init):
+    """Runs ``carry = step(carry, idx, p, score)`` over the dense form's key chunks
+    (:func:`scan_dense_chunks`), ``p`` the target's head sum (every head shard's; 0 off the
+    support), ``score`` the index score (-inf off it). Returns ``(carry, visible key count
+    [NB, S_q])``."""
+    if lse is None:
+        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
+
+    def chunk(carry, idx, n):
         score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
         mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
         mass = jnp.where(score != -jnp.inf, mass, 0)  # columns past n: unwritten
         if layout.heads:
             mass = jax.lax.psum(mass, layout.heads)
-        return step(carry, idx, mass, score), None
+        return step(carry, idx, mass, score)
 
-    carry, _ = jax.lax.scan(body, init, jnp.arange(-(-s_kv // width), dtype=jnp.int32))
-    return carry, count
+    return scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, kv.shape[1], chunk, init)
 
 
 def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config):

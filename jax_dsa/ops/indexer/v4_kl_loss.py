@@ -29,7 +29,7 @@ from jax_dsa.ops.indexer.config import KLConfig
 from jax_dsa.ops.indexer.kl_vjp import V4_ROLES, describe, flat_operands, kl_call, mean_of_rows
 from jax_dsa.ops.registry import Registry
 
-# On a GPU the sparse form runs on "cuda"; the dense form (warm-up) on "xla".
+# On a GPU both forms run on "cuda" where its limits allow, else on "xla".
 REGISTRY = Registry("v4_indexer_kl_loss",
                     (v4_kl_loss_xla.IMPLEMENTATION, v4_kl_loss_cuda.IMPLEMENTATION),
                     preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
@@ -86,10 +86,10 @@ def v4_indexer_kl_loss(
         picks one so that a block's temporaries stay near 64 MiB.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
-        pure JAX, any platform. ``"cuda"``: SM90 kernels for the sparse form
+        pure JAX, any platform. ``"cuda"``: SM90 kernels
         (:mod:`~jax_dsa.ops.indexer.v4_kl_loss_cuda`; ``q``, ``kv`` and the index tensors
         rounded to bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128 local heads,
-        index_n_heads <= 64, K <= 2048).
+        index_n_heads <= 64, K <= 2048; the dense form in chunks of 2048 entries).
 
     Returns:
       A scalar: float32, or float64 when an input is float64 (under x64).

@@ -1,4 +1,4 @@
-"""The ``"cuda"`` implementation of ``v4_indexer_kl_loss``: the sparse form on SM90 GPUs.
+"""The ``"cuda"`` implementation of ``v4_indexer_kl_loss`` on SM90 GPUs, sparse and dense forms.
 
 DeepSeek V4's target differs from V3.2's only in the per-head denominators: they are given
 (``attention_lse``: window + compressed slots + sink) instead of the softmax over the row's
@@ -20,10 +20,19 @@ backward is :mod:`~jax_dsa.ops.indexer.kl_loss_cuda`'s: ``dI = g * (softmax(I) *
 into the same backward kernel (``jax_dsa_indexer_kl_bwd_cuda``). No ``[S_q, K, D]`` array is
 formed in XLA.
 
+The dense form (``indices=None``: every visible compressed entry, the warm-up stage) runs the same
+two kernels over :func:`jax_dsa.ops.indexer.kl_loss_cuda.scan_dense_chunks`' chunks of 2048
+entries. The forward keeps flash-style row statistics in log space across the chunks: the
+target's running max and sum of ``exp(log_t)``, ``sum exp(log_t) (log_t - I)`` rescaled with
+them, and the index score's running log-sum-exp; ``KL = cross / Z - log Z + lse_I``. It saves
+``log Z`` and ``lse_I`` per row for the backward, one more pass (forward kernel, then the
+backward kernel per chunk with ``dI = g * (exp(I - lse_I) - exp(log_t - log Z))``). No buffer is
+larger than ``[S_q, 2048]``.
+
 Precision and limits: as :mod:`~jax_dsa.ops.indexer.kl_loss_cuda` (``q``, ``kv``, ``index_q``,
 ``index_k`` rounded to bfloat16, ``index_weights`` and ``attention_lse`` float32, float32
-accumulation; the sparse form only, ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128``
-local heads, ``index_n_heads <= 64``, ``K <= 2048``, an SM90 GPU).
+accumulation; ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` local heads,
+``index_n_heads <= 64``, ``K <= 2048`` in the sparse form, an SM90 GPU).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import numpy as np
 from jax_dsa.ops.indexer import kl_loss_cuda
 from jax_dsa.ops.indexer.common import masked_log_softmax
 from jax_dsa.ops.indexer.config import KLCall, KLConfig
-from jax_dsa.ops.indexer.kl_loss_cuda import HEAD_GROUP, MAX_HEADS, MODULE
+from jax_dsa.ops.indexer.kl_loss_cuda import HEAD_GROUP, MAX_HEADS, MODULE, scan_dense_chunks
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.sharding.partition import head_logsumexp
 
@@ -51,9 +60,6 @@ def module_error():
 def supported(call: KLCall) -> str | None:
     """Why ``"cuda"`` cannot take ``call``: the form and shapes first (told even where the
     kernels are not built), then the build, then the GPU."""
-    if call.topk is None:
-        return ("implementation='cuda' takes the sparse form only (indices=...); the dense form "
-                "runs on 'xla'")
     return kl_loss_cuda.support_error(call) or module_error() or sm90_device_error()
 
 
@@ -127,10 +133,69 @@ def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, l
     return log_p, p, score, support
 
 
-def _check(idx, q):
-    if idx is None:
-        raise NotImplementedError(
-            "v4_indexer_kl_loss: implementation='cuda' takes the sparse form only (indices=...)")
+def _chunk_target(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, config):
+    """One dense chunk: the target's log mass ``log_t`` (every head shard's; -inf off the
+    support) and the index score (-inf off it)."""
+    log_mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                                         idx, sm_scale=config.sm_scale)
+    log_t = head_logsumexp(log_mass, 0, layout)
+    return jnp.where(score != -jnp.inf, log_t, -jnp.inf), score
+
+
+def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config):
+    exp_from = kl_loss_cuda._exp_from
+
+    def step(carry, idx, n):
+        mt, zt, cross, mi, zi = carry
+        log_t, score = _chunk_target(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
+                                     lse, idx, config)
+        new_t = jnp.maximum(mt, jnp.max(log_t, axis=-1))
+        scale = exp_from(mt, new_t)
+        w = exp_from(log_t, new_t[..., None])
+        pos = w > 0
+        term = jnp.sum(jnp.where(pos, w * (log_t - jnp.where(pos, score, 0)), 0), axis=-1)
+        cross = cross * scale + term
+        zt = zt * scale + jnp.sum(w, axis=-1)
+        new_i = jnp.maximum(mi, jnp.max(score, axis=-1))
+        zi = zi * exp_from(mi, new_i) + jnp.sum(exp_from(score, new_i[..., None]), axis=-1)
+        return new_t, zt, cross, new_i, zi
+
+    rows = iq.shape[:2]
+    zero, ninf = jnp.zeros(rows, jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32)
+    (mt, zt, cross, mi, zi), count = scan_dense_chunks(
+        q_pos, kv_pos, q_seg, kv_seg, kv.shape[1], step, (ninf, zero, zero, ninf, zero))
+    ok = (count > 0) & (zt > 0)
+    log_z = jnp.where(ok, mt + jnp.log(jnp.where(ok, zt, 1)), 0)
+    lse_i = jnp.where(ok, mi + jnp.log(jnp.where(ok, zi, 1)), 0)
+    # KL = sum p (log_t - log Z - I + lse_I) with p = exp(log_t - log Z)
+    kl = jnp.where(ok, cross / jnp.where(ok, zt, 1) - log_z + lse_i, 0)
+    has = count > 0
+    return (jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1),
+            jnp.stack([log_z, lse_i], axis=-1))
+
+
+def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
+                    residuals):
+    exp_from = kl_loss_cuda._exp_from
+    log_z, lse_i = residuals[..., 0], residuals[..., 1]
+    g = g.astype(jnp.float32)[:, None, None]
+
+    def step(carry, idx, n):
+        log_t, score = _chunk_target(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
+                                     lse, idx, config)
+        support = score != -jnp.inf
+        p = exp_from(log_t, log_z[..., None])
+        pi = exp_from(score, lse_i[..., None])
+        dscore = jnp.where(support, g * (pi - p), 0)
+        return tuple(a + b for a, b in zip(carry, KERNELS["backward"](iq, ik, iw, idx, dscore)))
+
+    f32 = jnp.float32
+    init = (jnp.zeros(iq.shape, f32), jnp.zeros(ik.shape, f32), jnp.zeros(iw.shape, f32))
+    grads, _ = scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, kv.shape[1], step, init)
+    return grads
+
+
+def _check(q):
     if q.shape[2] > MAX_HEADS:
         raise ValueError(f"v4_indexer_kl_loss: implementation='cuda' takes at most {MAX_HEADS} "
                          f"local heads, got {q.shape[2]}")
@@ -138,8 +203,12 @@ def _check(idx, q):
 
 def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
             config: KLConfig):
-    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows."""
-    _check(idx, q)
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows (and
+    for the dense form, ``idx`` None, the backward's residuals ``[NB, S_q, 2]``)."""
+    _check(q)
+    if idx is None:
+        return _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                              config)
     log_p, p, score, support = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg,
                                                  kv_seg, q, kv, lse, idx, config)
     log_pi = masked_log_softmax(score, support)
@@ -151,10 +220,13 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
 
 
 def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
-             config: KLConfig):
+             config: KLConfig, residuals=None):
     """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
     KL sums (``d index_k`` a partial sum over this shard's rows)."""
-    _check(idx, q)
+    _check(q)
+    if idx is None:
+        return _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                               config, residuals)
     _, p, score, support = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg,
                                              q, kv, lse, idx, config)
     pi = jnp.where(support, jnp.exp(masked_log_softmax(score, support)), 0)
