@@ -19,7 +19,8 @@ With ``attention_lse`` given (the main attention's denominators over the same sl
 ``sparse_mla``'s lse), the target comes from the attention forward kernel's target mode instead
 (``jax_dsa.ops.sparse_mla.cuda.cuda_target``: ``Q K^T`` on wgmma tensor cores, one pass, mass
 ``sum_h exp(sm_scale * q . kv - lse)``; module ``_cuda``), renormalised over the support, and
-the index score from kernel A's score-only launch (``jax_dsa_indexer_score_cuda``).
+the index score from kernel A's score-only launch (``jax_dsa_indexer_score_cuda``), or, with
+``index_scores`` given too (the top-k's scores of the slots), from those: no score kernel then.
 
 Precision: ``q``, ``kv``, ``index_q`` and ``index_k`` are rounded to bfloat16 (the kernels'
 operands; ``KLCall.dtype`` is the promoted dtype of all float inputs, float32 with float32
@@ -324,7 +325,7 @@ def _check(q):
                          f"heads, got {q.shape[2]}")
 
 
-def _exp_from(x, m):
+def exp_from(x, m):
     """``exp(x - m)``, 0 where ``x`` is ``-inf`` (also when ``m`` is)."""
     return jnp.where(x == -jnp.inf, 0.0, jnp.exp(x - jnp.where(m == -jnp.inf, 0.0, m)))
 
@@ -378,7 +379,7 @@ def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
         cross = cross + jnp.sum(
             jnp.where(pos, mass * (jnp.log(jnp.where(pos, mass, 1)) - score), 0), axis=-1)
         new = jnp.maximum(mx, jnp.max(score, axis=-1))
-        se = se * _exp_from(mx, new) + jnp.sum(_exp_from(score, new[..., None]), axis=-1)
+        se = se * exp_from(mx, new) + jnp.sum(exp_from(score, new[..., None]), axis=-1)
         return total, cross, new, se
 
     zero = jnp.zeros(rows, jnp.float32)
@@ -402,7 +403,7 @@ def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, 
 
     def step(carry, idx, mass, score):
         support = score != -jnp.inf
-        pi = _exp_from(score, lse_i[..., None])
+        pi = exp_from(score, lse_i[..., None])
         dscore = jnp.where(support, g * (pi - mass / total[..., None]), 0)
         return tuple(a + b for a, b in zip(carry, KERNELS["backward"](iq, ik, iw, idx, dscore)))
 

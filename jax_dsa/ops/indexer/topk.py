@@ -82,9 +82,10 @@ def indexer_topk(
         head) and ``k`` per token by :func:`~jax_dsa.ops.indexer.common.quantize_fp8`
         (power-of-two scales); ``q``'s scales are folded into ``weights`` and each key's
         score is multiplied by its scale, so ``I[t, s] = k_scale[s] * sum_h (weights[t, h] *
-        q_scale[t, h]) * relu(q_fp8[t, h] . k_fp8[s])``. ``"cuda"`` runs the products on fp8
-        tensor cores; ``"xla"`` in float32 (exact products). The selection then follows the
-        fp8 scores, as in DeepSeek-V3.2's and prime-rl's inference, not the bf16 ones.
+        q_scale[t, h]) * relu(q_fp8[t, h] . k_fp8[s])``. Both implementations form the fp8
+        products exactly (``"cuda"`` on its bf16 kernel, where an e4m3 value times a
+        power-of-two scale is exact; ``"xla"`` in float32), so the option changes which keys
+        are selected (as DeepSeek-V3.2's and prime-rl's inference select them), not the speed.
       return_scores: also return each selected key's score as the implementation computed it,
         e.g. for :func:`~jax_dsa.ops.indexer.kl_loss.indexer_kl_loss`'s ``index_scores``.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports

@@ -110,10 +110,10 @@ def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=No
     with ``scores [NB, S_q, topk]`` float32 (the selected keys' scores, ``-inf`` on ``-1``
     slots) when ``with_scores``, else ``[0, 0, 0]``. The workspace holds the last chunk's
     scores (a debugging aid: rows ``[0, rows)`` of ``[chunk_rows, ld]`` float32, valid inside
-    each row's range). ``q`` and ``k`` are rounded
-    to bfloat16; with ``k_scale [NB, S_kv]`` they are float8_e4m3fn and each key row is
-    multiplied by its (power-of-two) scale first: both are exact in bfloat16, so the kernel's
-    products are the fp8 products times the key's scale, exactly."""
+    each row's range). ``q`` and ``k`` are rounded to bfloat16; with ``k_scale [NB, S_kv]``
+    they are float8_e4m3fn and each key row is multiplied by its (power-of-two) scale first:
+    both are exact in bfloat16, so the kernel's products are the fp8 products times the key's
+    scale, exactly."""
     nb, s_q, h, d = q.shape
     s_kv = k.shape[1]
     fp8 = k_scale is not None

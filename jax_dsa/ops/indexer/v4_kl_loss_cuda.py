@@ -44,7 +44,13 @@ import numpy as np
 from jax_dsa.ops.indexer import kl_loss_cuda
 from jax_dsa.ops.indexer.common import masked_log_softmax
 from jax_dsa.ops.indexer.config import KLCall, KLConfig
-from jax_dsa.ops.indexer.kl_loss_cuda import HEAD_GROUP, MAX_HEADS, MODULE, scan_dense_chunks
+from jax_dsa.ops.indexer.kl_loss_cuda import (
+    HEAD_GROUP,
+    MAX_HEADS,
+    MODULE,
+    exp_from,
+    scan_dense_chunks,
+)
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.sharding.partition import head_logsumexp
 
@@ -143,7 +149,6 @@ def _chunk_target(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, 
 
 
 def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config):
-    exp_from = kl_loss_cuda._exp_from
 
     def step(carry, idx, n):
         mt, zt, cross, mi, zi = carry
@@ -176,7 +181,6 @@ def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
 
 def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
                     residuals):
-    exp_from = kl_loss_cuda._exp_from
     log_z, lse_i = residuals[..., 0], residuals[..., 1]
     g = g.astype(jnp.float32)[:, None, None]
 
