@@ -331,6 +331,38 @@ def test_indexer_layouts_equal_unsharded(layout):
     assert not [s for s in gathered if len(s) == 3 and s[-1] == H_I], ops
 
 
+@functools.cache
+def topk_scores_fn():
+    """Jitted: the fp8 top-k with its scores, and the sparse KL given those scores (and the
+    lse of the slots' softmax, so that the index_scores operand is split like the slots)."""
+
+    def f(iq, ik, iw, pos, seg, q, kv):
+        idx, scores = indexer_topk(iq, ik, iw, topk=TOPK, q_positions=pos, kv_positions=pos,
+                                   q_segment_ids=seg, kv_segment_ids=seg,
+                                   qk_dtype="float8_e4m3fn", return_scores=True)
+        lse = sparse_mla(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V, implementation="xla")[1]
+        kl = jax.value_and_grad(lambda iq, ik, iw: indexer_kl_loss(
+            iq, ik, iw, q, kv, sm_scale=SM_SCALE, q_positions=pos, kv_positions=pos,
+            q_segment_ids=seg, kv_segment_ids=seg, indices=idx, attention_lse=lse,
+            index_scores=scores), argnums=(0, 1, 2))
+        return idx, scores, kl(iq, ik, iw)
+
+    return jax.jit(f)
+
+
+def test_topk_scores_fp8_and_given_scores_equal_unsharded():
+    inputs = indexer_inputs(np.random.default_rng(5))
+    want = topk_scores_fn()(*inputs)
+    mesh = make_mesh(LAYOUTS["dp+cp+tp"])
+    with jax.set_mesh(mesh):
+        got = topk_scores_fn()(*put_indexer(mesh, *inputs))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert_close(got[2][0], want[2][0], what="kl")
+    for name, a, b in zip(("d_index_q", "d_index_k", "d_index_weights"), got[2][1], want[2][1]):
+        assert_close(a, b, what=name)
+
+
 def test_indexer_explicit_mesh_equals_unsharded():
     mesh = make_mesh(LAYOUTS["dp+cp+tp"], AxisType.Explicit)
     with jax.set_mesh(mesh):
