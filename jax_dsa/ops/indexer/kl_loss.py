@@ -93,10 +93,11 @@ def indexer_kl_loss(
       index_scores: optional ``[..., S_q, K]`` float index scores ``I`` of the ``indices``
         slots, as :func:`~jax_dsa.ops.indexer.topk.indexer_topk` returns them with
         ``return_scores=True`` for the same ``index_q``, ``index_k``, ``index_weights`` and
-        positions (without ``qk_dtype``). The sparse form only; a value the loss may use in
-        place of recomputing the scores (``"cuda"`` with ``attention_lse``: no score kernel
-        in either pass) and carries no gradient: the gradients are those of the recomputed
-        scores. Scores that do not match the inputs give a wrong loss.
+        positions, and without ``qk_dtype`` (fp8 scores are not this loss's scores). The
+        sparse form only; a value the loss may use in place of recomputing the scores
+        (``"cuda"`` with ``attention_lse``: no score kernel in either pass; ``"xla"`` ignores
+        it) and carries no gradient: the gradients are those of the recomputed scores. Scores
+        that do not match the inputs give a wrong loss where they are used.
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks one from ``S_kv`` (dense) or ``K`` (sparse) so that a block's temporaries fit
         :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
@@ -116,7 +117,8 @@ def indexer_kl_loss(
         only one of the segment ids given, an unknown implementation or one that does not
         support the call.
       NotImplementedError: the requested implementations are not built in this install.
-      TypeError: ``sm_scale`` not a number; non-float tensors, ``q``/``kv`` dtypes that differ;
+      TypeError: ``sm_scale`` not a number; non-float tensors (``index_scores`` included),
+        ``q``/``kv`` dtypes that differ;
         non-integer ``indices``, positions, segment ids or ``block_q``.
     """
     name = "indexer_kl_loss"
