@@ -20,6 +20,8 @@ What it does:
   ``--warmup-freeze`` follows the paper: in the warm-up only the indexer's parameters train, on
   the indexer loss alone (the LM loss is reported, never differentiated, and the other
   parameters stay bitwise unchanged). Each attention mode compiles one train program.
+  ``--indexer-qk-dtype float8_e4m3fn`` selects the top-k by DeepSeek-V3.2's FP8 scores (as its
+  inference does; the KL loss keeps the unquantized q and k).
 * Optimizer: optax AdamW, linear warm-up then cosine decay, global-norm gradient clipping.
 * Device mesh: ``--mesh dp=2,cp=2,tp=2`` (any subset): data parallel over ``dp`` (batch),
   context parallel over ``cp`` (tokens; the DSA ops gather keys along the sequence), tensor
@@ -143,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-freeze", action="store_true",
                    help="dense warm-up as in the DeepSeek-V3.2 paper: train only the indexer's "
                         "parameters, on the indexer loss alone")
+    g.add_argument("--indexer-qk-dtype", choices=("float8_e4m3fn",), default=None,
+                   help="the top-k's scores from FP8 q and k (DeepSeek-V3.2's inference recipe: "
+                        "e4m3 with power-of-two per-token scales); default: the compute dtype. "
+                        "GLM-5 / DeepSeek V3.2 presets")
     g.add_argument("--indexer-loss-coeff", type=float, default=1.0,
                    help="weight of the indexer KL loss in the total loss")
     g.add_argument("--fixed-batch", action="store_true",
@@ -296,6 +302,25 @@ def masked_cross_entropy(logits, targets, mask):
     """Mean next-token cross entropy (nats/token) over positions with ``mask == 1``."""
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def set_indexer_qk_dtype(model, qk_dtype) -> int:
+    """Sets ``qk_dtype`` on every DSA lightning indexer of ``model`` (``--indexer-qk-dtype``);
+    returns how many. Raises ValueError for a model without one (DeepSeek V4's indexer is not
+    covered)."""
+    from jax_dsa.nn.indexer import Indexer
+    from jax_dsa.ops.indexer.topk import check_qk_dtype
+
+    count = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Indexer):
+            check_qk_dtype("--indexer-qk-dtype", qk_dtype)
+            module.qk_dtype = qk_dtype
+            count += 1
+    if not count:
+        raise ValueError("--indexer-qk-dtype: this model has no GLM-5 / DeepSeek V3.2 lightning "
+                         "indexer (DeepSeek V4's is not covered)")
+    return count
 
 
 # The lightning indexer's parameters (DSA and DeepSeek V4 layers alike): what --warmup-freeze
@@ -554,6 +579,8 @@ def main(argv=None) -> dict:
     # DeepSeek V4 presets get the V4 model (window / CSA / HCA attention), the others DSA.
     model_cls = DeepseekV4LanguageModel if isinstance(config, DeepseekV4Config) else DSALanguageModel
     model = model_cls(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
+    if args.indexer_qk_dtype is not None:
+        set_indexer_qk_dtype(model, args.indexer_qk_dtype)
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     param_sharding = param_shardings(mesh, param_state)

@@ -334,3 +334,30 @@ def test_warmup_freeze_trains_only_the_indexer(monkeypatch):
         else:
             assert x.tobytes() == y.tobytes(), path  # frozen: bitwise unchanged
     assert n_indexer == 2 * 5  # per layer: wq_b, wk, k_norm.{weight,bias}, weights_proj
+
+
+def test_indexer_qk_dtype_reaches_every_indexer():
+    """--indexer-qk-dtype float8_e4m3fn: every GLM-5 lightning indexer of the model selects by
+    the fp8 scores; a DeepSeek V4 model (no such indexer) is refused."""
+    from flax import nnx
+
+    from jax_dsa.configs import get_config
+    from jax_dsa.nn import DSALanguageModel
+    from jax_dsa.nn.indexer import Indexer
+    from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
+
+    args = train.parse_args(COMMON + ["--indexer-qk-dtype", "float8_e4m3fn"])
+    assert args.indexer_qk_dtype == "float8_e4m3fn"
+    assert train.parse_args(COMMON).indexer_qk_dtype is None
+    with pytest.raises(SystemExit):
+        train.parse_args(COMMON + ["--indexer-qk-dtype", "float8_e5m2"])
+    config = get_config("glm5-tiny")
+    model = nnx.eval_shape(lambda: DSALanguageModel(config, rngs=nnx.Rngs(0)))
+    n = train.set_indexer_qk_dtype(model, args.indexer_qk_dtype)
+    indexers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Indexer)]
+    assert n == len(indexers) == sum(map(config.has_indexer, range(config.num_hidden_layers)))
+    assert all(m.qk_dtype == "float8_e4m3fn" for m in indexers)
+    v4 = nnx.eval_shape(lambda: DeepseekV4LanguageModel(get_config("deepseek-v4-tiny"),
+                                                        rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="no GLM-5 / DeepSeek V3.2 lightning indexer"):
+        train.set_indexer_qk_dtype(v4, "float8_e4m3fn")
