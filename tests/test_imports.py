@@ -325,3 +325,25 @@ def test_checker_accepts_a_package_that_reexports_its_submodules(tmp_path):
     graph = build_import_graph(root, "pkg")
     assert set(graph["pkg.cfg.three"]) == {"pkg.cfg", "pkg.cfg.one"}
     assert find_cycles(graph) == [["pkg.cfg", "pkg.cfg.three", "pkg.cfg"]]
+
+
+def test_subpackages_load_on_first_use():
+    """``import jax_dsa`` loads the ops only; ``jax_dsa.nn``, ``jax_dsa.configs``, ... import
+    on first attribute access; other names still raise AttributeError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jax_dsa\n"
+        "assert 'jax_dsa.nn' not in sys.modules and 'flax' not in sys.modules\n"
+        "c = jax_dsa.configs.get_config('glm5-tiny')\n"
+        "assert jax_dsa.nn.DSAAttention and jax_dsa.interop and jax_dsa.sharding\n"
+        "try:\n"
+        "    jax_dsa.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
