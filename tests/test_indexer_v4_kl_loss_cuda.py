@@ -245,6 +245,13 @@ def loss_fn(op, sm_scale, impl, dense=False):
     return lambda x: f(x["iq"], x["ik"], x["iw"], x)
 
 
+def assert_same(got_l, got_g, want_l, want_g, tol):
+    """Loss within ``tol`` relative, each gradient within ``tol`` relative L2."""
+    np.testing.assert_allclose(got_l, want_l, rtol=tol)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
+        assert rel_l2(a, b) < tol, name
+
+
 def loss_and_grads(op, x, sm_scale, impl, dense=False):
     return loss_fn(op, sm_scale, impl, dense)(x)
 
@@ -263,13 +270,9 @@ def test_glue_matches_xla_and_oracle(reference_kernels, nb, s_q, s_kv, h, d_qk, 
     x = make_inputs(np.random.default_rng(k), nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale)
     got_l, got_g = loss_and_grads(reference_kernels, x, sm_scale, "cuda")
     want_l, want_g = loss_and_grads(reference_kernels, x, sm_scale, "xla")
-    np.testing.assert_allclose(got_l, want_l, rtol=2e-5)
-    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
-        assert rel_l2(a, b) < 2e-5, name
     ref = numpy_oracle(x, sm_scale)
-    np.testing.assert_allclose(got_l, ref[0], rtol=2e-5)
-    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
-        assert rel_l2(a, b) < 2e-5, name
+    for want in ((want_l, want_g), (ref[0], ref[1:])):
+        assert_same(got_l, got_g, *want, tol=2e-5)
 
 
 def test_glue_underflowing_compressed_mass_is_exact(reference_kernels):
@@ -346,13 +349,9 @@ def test_dense_glue_matches_xla_and_oracle(reference_kernels, monkeypatch, segme
     x_op["idx"] = None
     got_l, got_g = loss_and_grads(reference_kernels, x_op, sm_scale, "cuda", dense=True)
     want_l, want_g = loss_and_grads(reference_kernels, x_op, sm_scale, "xla", dense=True)
-    np.testing.assert_allclose(got_l, want_l, rtol=2e-5)
-    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
-        assert rel_l2(a, b) < 2e-5, name
     ref = numpy_oracle(x, sm_scale)
-    np.testing.assert_allclose(got_l, ref[0], rtol=2e-5)
-    for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
-        assert rel_l2(a, b) < 2e-5, name
+    for want in ((want_l, want_g), (ref[0], ref[1:])):
+        assert_same(got_l, got_g, *want, tol=2e-5)
 
 
 def test_dense_glue_lowers_to_chunked_kernels(cuda_op, monkeypatch):
