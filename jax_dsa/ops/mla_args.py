@@ -1,4 +1,5 @@
-"""The argument checks that the attention ops (``sparse_mla``, ``dense_mla``) share."""
+"""The argument checks that the attention ops (``sparse_mla``, ``dense_mla``) share; the
+``sm_scale`` rule also serves the indexer KL losses."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ import math
 import numbers
 
 import jax.numpy as jnp
+
+
+def check_sm_scale(name, sm_scale, what="the model's softmax scale, e.g. 1/16 for GLM-5"):
+    """``sm_scale`` must be a finite Python number > 0 (``what`` says whose scale it is).
+
+    Raises:
+      TypeError: not a number (or a bool). ValueError: not finite, or <= 0.
+    """
+    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise TypeError(f"{name}: sm_scale must be a Python number ({what}); got {sm_scale!r}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"{name}: sm_scale must be finite and > 0, got {sm_scale!r}")
 
 
 def check_attention_args(name, q, kv, sm_scale, d_v, attn_sink):
@@ -18,13 +31,7 @@ def check_attention_args(name, q, kv, sm_scale, d_v, attn_sink):
       ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes, ``d_v`` out of
         range. Messages start with ``name`` and name the argument.
     """
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(
-            f"{name}: sm_scale must be a Python number (the model's softmax scale, e.g. 1/16 "
-            f"for GLM-5); got {sm_scale!r}"
-        )
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"{name}: sm_scale must be finite and > 0, got {sm_scale!r}")
+    check_sm_scale(name, sm_scale)
     if q.ndim < 3:
         raise ValueError(f"{name}: q must be [..., S_q, H, D_qk], got shape {q.shape}")
     batch = q.shape[:-3]

@@ -17,11 +17,12 @@ in the sequence length, never with ``S_q * S_kv``. The KL loss's block body is r
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
+
+from jax_dsa.ops.mla_args import check_sm_scale
 
 
 # Elements in one query block's largest temporary (~64 MiB of float32).
@@ -276,13 +277,7 @@ def check_kl_args(name, index_q, index_k, index_weights, q, kv, sm_scale, indice
     """Argument checks shared by the indexer KL losses (``indexer_kl_loss`` and the V4 one):
     returns ``batch, S_q, index H, S_kv, H, indices, block_q`` and the checked positions and
     segment ids. Raises as the losses document."""
-    if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
-        raise TypeError(
-            f"{name}: sm_scale must be a Python number (the main attention's softmax scale), "
-            f"got {sm_scale!r}"
-        )
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"{name}: sm_scale must be finite and > 0, got {sm_scale!r}")
+    check_sm_scale(name, sm_scale, "the main attention's softmax scale")
     batch, s_q, h_i, s_kv = check_indexer(
         name, index_q, index_k, index_weights, names=("index_q", "index_k", "index_weights")
     )
