@@ -96,6 +96,16 @@ def test_supported_reports_the_module_or_takes_the_call(monkeypatch):
 # Inputs and the float64 oracle
 
 
+def add_invalid_slots(rng, idx, s_kv):
+    """In place: -1 and out-of-range slots, duplicates, a row without any valid slot."""
+    idx[rng.random(idx.shape) < 0.1] = -1
+    idx[rng.random(idx.shape) < 0.02] = s_kv + 3  # out of range
+    idx[:, ::7, 1] = idx[:, ::7, 0]  # duplicates
+    idx[0, 1] = -1  # a row without any valid slot
+    if idx.shape[1] > 5:
+        idx[-1, 5] = s_kv  # another, out of range
+
+
 def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, segments=True, invalid=True):
     """bf16-representable float32 inputs with -1 and out-of-range slots, duplicates, rows
     without support, packed documents (per-document positions)."""
@@ -120,12 +130,7 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, segments=True, invalid=True
     glob = np.arange(s_q) + off
     idx = (rng.random((nb, s_q, k)) * (glob[None, :, None] + 1)).astype(np.int32)
     if invalid:
-        idx[rng.random(idx.shape) < 0.1] = -1
-        idx[rng.random(idx.shape) < 0.02] = s_kv + 3  # out of range
-        idx[:, ::7, 1] = idx[:, ::7, 0]  # duplicates
-        idx[0, 1] = -1  # a row without any valid slot
-        if s_q > 5:
-            idx[-1, 5] = s_kv  # another, out of range
+        add_invalid_slots(rng, idx, s_kv)
     return dict(iq=iq, ik=ik, iw=iw, q=q, kv=kv, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg,
                 kv_seg=kv_seg, idx=idx)
 

@@ -25,6 +25,7 @@ from jax_dsa.ops import registry
 from jax_dsa.ops.indexer import kl_loss_cuda, v4_kl_loss, v4_kl_loss_cuda, v4_kl_loss_xla
 from jax_dsa.ops.indexer.config import KLCall
 from jax_dsa.ops.registry import Registry, Unavailable
+from test_indexer_kl_loss_cuda import add_invalid_slots
 
 BF16 = ml_dtypes.bfloat16
 
@@ -159,12 +160,7 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, bl
     if dense:
         idx = np.broadcast_to(np.arange(s_kv, dtype=np.int32), (nb, s_q, s_kv)).copy()
     else:
-        idx[rng.random(idx.shape) < 0.1] = -1
-        idx[rng.random(idx.shape) < 0.02] = s_kv + 3  # out of range
-        idx[:, ::7, 1] = idx[:, ::7, 0]  # duplicates
-        idx[0, 1] = -1  # a row without any valid slot
-        if s_q > 5:
-            idx[-1, 5] = s_kv  # another, out of range
+        add_invalid_slots(rng, idx, s_kv)
     x = dict(iq=iq, ik=ik, iw=iw, q=q, kv=kv, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg,
              kv_seg=kv_seg, idx=idx)
     # The window and sink mass (natural log, per head), then the shifts of the underflow rows.
