@@ -362,6 +362,330 @@ ScoreKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
+// (2b) Scores of one chunk of query rows on wgmma (SM90's asynchronous warpgroup MMA).
+//
+// CTA: 3 warpgroups. Warpgroup 0 is the producer: it streams 64-key tiles [64, 128] bf16 into a
+// STAGES-deep ring in shared memory by cp.async and hands each over through an mbarrier. Each of
+// the two consumer warpgroups owns 128 / H queries (their q as a resident [128, 128] bf16 operand,
+// query-major, head minor) and computes the transposed product S^T = K Q^T (m64 n128 k16: 64 keys
+// x 128 (query, head) columns) so that a query's heads are the columns of one accumulator row.
+// Its accumulators are double-buffered: tile i+1's wgmma runs while tile i's relu, weights and
+// head sum are formed. Each thread sums its H / 4 heads of each (key, query) in a fixed order,
+// then a reduce-scatter over the 4 lanes of a quad (xor 2, 1): every key's score is formed by the
+// same tree (bitwise equal scores for equal keys). Both operands are stored K-major in the
+// 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7), 64-column blocks), the layout
+// the wgmma descriptors name.
+constexpr int kWgThreads = 384;
+constexpr int kWgQBytes = 128 * kD * 2;  // one consumer's q: 32 KiB
+
+__device__ __forceinline__ uint64_t WgDesc(uint32_t addr) {
+  // start >> 4, leading offset 16 B (unused with a swizzle), stride 1024 B (8 rows of 128 B),
+  // 128-byte swizzle.
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void WgFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void WgWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// d[64] (+)= A (64 x 16, K-major, from shared) * B (128 x 16, K-major)^T; scale_d 0 zeroes d.
+__device__ __forceinline__ void WgMma64x128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// Keeps the compiler from moving accumulator reads or writes across a wgmma's issue or wait.
+__device__ __forceinline__ void WgFenceOperand(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra LAB_WAIT;\n}\n" ::"r"(bar), "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk c (0..15) of row r in a K-major 128-byte-swizzled operand of
+// `rows` rows x 128 bf16 (two 64-column blocks).
+__device__ __forceinline__ uint32_t WgChunk(int r, int c, int rows) {
+  return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+template <int G, int STAGES>
+__global__ void __launch_bounds__(kWgThreads, 1)
+ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+              const float* __restrict__ w, const int32_t* __restrict__ q_pos,
+              const int32_t* __restrict__ q_seg, const int32_t* __restrict__ kv_pos,
+              const int32_t* __restrict__ kv_seg, const int4* __restrict__ stats, int nt, int rows,
+              int s_kv, int64_t ld, float* __restrict__ scores, int2* __restrict__ ranges) {
+  constexpr int H = 32 * G;
+  constexpr int QW = 128 / H;       // queries of a consumer warpgroup
+  constexpr int BQ = 2 * QW;        // queries of the CTA (8 / G, as ScoreKernel)
+  constexpr int NV = 2 * QW;        // (query, key row) sums a thread forms per tile
+  constexpr int NO = NV / 4;        // ... and stores after the reduce-scatter
+  constexpr int LAG = STAGES - 2;   // tiles the producer keeps in flight beyond the one it hands over
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
+  __shared__ int s_lo, s_hi, s_qmax, s_smin, s_smax;
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows (causal) first
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t qbase = SmemAddr(smem);                    // 2 x 32 KiB of q
+  const uint32_t kbase = qbase + 2 * kWgQBytes;             // STAGES x 16 KiB of keys
+
+  if (tid == 0) {
+    int qmax = INT_MIN, smin = INT_MAX, smax = INT_MIN;
+    for (int i = 0; i < BQ; ++i) {
+      if (row0 + i < rows) {
+        qmax = max(qmax, q_pos[row0 + i]);
+        const int sg = q_seg[row0 + i];
+        smin = min(smin, sg);
+        smax = max(smax, sg);
+      }
+    }
+    s_qmax = qmax;
+    s_smin = smin;
+    s_smax = smax;
+    s_lo = INT_MAX;
+    s_hi = -1;
+    for (int i = 0; i < STAGES; ++i) {
+      MbarInit(SmemAddr(&full_bar[i]), 128);  // the producer's threads
+      MbarInit(SmemAddr(&empty_bar[i]), 8);   // lane 0 of each consumer warp
+    }
+  }
+  __syncthreads();
+  {
+    const int qmax = s_qmax, smin = s_smin, smax = s_smax;
+    int lo = INT_MAX, hi = -1;
+    for (int j = tid; j < nt; j += kWgThreads) {
+      const int4 st = stats[j];
+      if (st.x <= qmax && st.y <= smax && st.z >= smin) {
+        lo = min(lo, j);
+        hi = max(hi, j);
+      }
+    }
+    lo = WarpMin(lo);
+    hi = WarpMax(hi);
+    if (lane == 0) {
+      atomicMin(&s_lo, lo);
+      atomicMax(&s_hi, hi);
+    }
+  }
+  __syncthreads();
+  int t_lo = s_lo, t_hi = s_hi + 1;
+  if (t_hi <= t_lo) t_lo = t_hi = 0;  // no key visible to any of these rows
+  if (blockIdx.y == 0 && tid < BQ && row0 + tid < rows)
+    ranges[row0 + tid] = make_int2(t_lo * kBN, t_hi * kBN);
+  const int per = (t_hi - t_lo + int(gridDim.y) - 1) / int(gridDim.y);
+  const int j0 = t_lo + int(blockIdx.y) * per, j1 = min(t_hi, j0 + per);
+  if (j0 >= j1) return;  // uniform over the CTA
+  const int n = j1 - j0;
+
+  // q of both consumers: rows (query, head) row0 * H + i, zero past the chunk.
+  for (int x = tid; x < 2 * 128 * 16; x += kWgThreads) {
+    const int cw = x >> 11, r = (x >> 4) & 127, c = x & 15;
+    const int qrow = row0 + cw * QW + r / H;
+    const bool v = qrow < rows;
+    const int64_t src = (int64_t(v ? row0 : 0) * H + (cw * 128 + r) * int(v)) * kD + c * 8;
+    CpAsync16(qbase + cw * kWgQBytes + WgChunk(r, c, 128), q + src, v);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  FenceProxyAsync();
+  __syncthreads();
+
+  const int wg = tid >> 7;
+  if (wg == 0) {
+    // Producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    const int pt = tid;  // 0..127
+    for (int it = 0; it < n; ++it) {
+      const int st = it % STAGES;
+      if (it >= STAGES) MbarWait(SmemAddr(&empty_bar[st]), ((it / STAGES) - 1) & 1);
+      const uint32_t dst = kbase + st * kTileBytes;
+      const int j = j0 + it;
+#pragma unroll
+      for (int i = 0; i < (kBN * 16) / 128; ++i) {
+        const int x = pt + 128 * i;
+        const int r = x >> 4, c = x & 15;
+        const int s = j * kBN + r;
+        const bool v = s < s_kv;
+        CpAsync16(dst + WgChunk(r, c, kBN), k + int64_t(v ? s : 0) * kD + c * 8, v);
+      }
+      CpAsyncCommit();
+      if (it >= LAG) {
+        CpAsyncWait<LAG>();
+        FenceProxyAsync();
+        MbarArrive(SmemAddr(&full_bar[(it - LAG) % STAGES]));
+      }
+    }
+    CpAsyncWait<0>();
+    FenceProxyAsync();
+    for (int it = max(0, n - LAG); it < n; ++it) MbarArrive(SmemAddr(&full_bar[it % STAGES]));
+    return;
+  }
+
+  // Consumer cw: queries row0 + cw * QW + [0, QW).
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int cw = wg - 1;
+  const int ct = tid - 128 * wg;       // 0..127
+  const int wq = ct >> 5;              // warp of the warpgroup: key rows 16 wq + [0, 16)
+  const int r0 = 16 * wq + (lane >> 2);
+  const int quad = lane & 3;
+  const int qb0 = row0 + cw * QW;      // this consumer's first query
+  // This thread's weights: column n = 8 j8 + 2 quad + e is (query n / H, head n % H).
+  float wv[16][2];
+#pragma unroll
+  for (int j8 = 0; j8 < 16; ++j8)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j8 + 2 * quad + e;
+      wv[j8][e] = qb0 + col / H < rows ? w[int64_t(qb0) * H + col] : 0.f;
+    }
+  // What this lane stores after the reduce-scatter: sums i = quad * NO + m, i = query * 2 + row.
+  const int my_q = (quad * NO) >> 1;
+  const bool my_ok = qb0 + my_q < rows;
+  const int my_rr = my_ok ? qb0 + my_q : 0;
+  const int qp = q_pos[my_rr], qs = q_seg[my_rr];
+  float* out_row = scores + int64_t(my_rr) * ld;
+  const uint32_t qdesc_base = qbase + cw * kWgQBytes;
+
+  float acc0[64], acc1[64];
+  auto issue = [&](float (&acc)[64], int it) {
+    const int st = it % STAGES;
+    MbarWait(SmemAddr(&full_bar[st]), (it / STAGES) & 1);
+    const uint32_t kb = kbase + st * kTileBytes;
+    WgFenceOperand(acc);
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const uint32_t off = (ks & 3) * 32;  // 16 columns = 32 bytes along the block
+      WgMma64x128(acc, WgDesc(kb + (ks >> 2) * (kBN * 128) + off),
+                  WgDesc(qdesc_base + (ks >> 2) * (128 * 128) + off), ks > 0);
+    }
+    WgCommit();
+    WgFenceOperand(acc);
+  };
+  auto release = [&](int it) {
+    __syncwarp();
+    if (lane == 0) MbarArrive(SmemAddr(&empty_bar[it % STAGES]));
+  };
+  auto finish = [&](float (&acc)[64], int it) {
+    WgFenceOperand(acc);
+    const int j = j0 + it;
+    int kvp[NO], kvs[NO];
+#pragma unroll
+    for (int m = 0; m < NO; ++m) {
+      const int row = ((quad * NO + m) & 1) ? r0 + 8 : r0;
+      const int s = min(j * kBN + row, s_kv - 1);
+      kvp[m] = __ldg(kv_pos + s);
+      kvs[m] = __ldg(kv_seg + s);
+    }
+    // v[query * 2 + row]: relu, weight, this thread's H / 4 heads in order.
+    float v[NV];
+#pragma unroll
+    for (int qq = 0; qq < QW; ++qq) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float p = 0.f;
+#pragma unroll
+        for (int j8 = qq * (H / 8); j8 < (qq + 1) * (H / 8); ++j8) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) p = fmaf(fmaxf(acc[4 * j8 + 2 * hr + e], 0.f), wv[j8][e], p);
+        }
+        v[qq * 2 + hr] = p;
+      }
+    }
+    // Reduce-scatter over the quad (lane bits 1, 0).
+    constexpr int NV1 = NV / 2;
+    float v1[NV1];
+    {
+      const bool hi = lane & 2;
+#pragma unroll
+      for (int i = 0; i < NV1; ++i) {
+        const float send = hi ? v[i] : v[NV1 + i];
+        const float keep = hi ? v[NV1 + i] : v[i];
+        v1[i] = keep + __shfl_xor_sync(kFull, send, 2);
+      }
+    }
+    float fv[NO];
+    {
+      const bool hi = lane & 1;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) {
+        const float send = hi ? v1[i] : v1[NO + i];
+        const float keep = hi ? v1[NO + i] : v1[i];
+        fv[i] = keep + __shfl_xor_sync(kFull, send, 1);
+      }
+    }
+    if (my_ok) {
+#pragma unroll
+      for (int m = 0; m < NO; ++m) {
+        const int row = ((quad * NO + m) & 1) ? r0 + 8 : r0;
+        const int s = j * kBN + row;
+        const bool vis = s < s_kv && kvp[m] <= qp && kvs[m] == qs;
+        // Visible: clamp to the lowest finite float (never -inf), -0.0 -> +0.0.
+        out_row[s] = vis ? fmaxf(fv[m], -FLT_MAX) + 0.f : -INFINITY;
+      }
+    }
+  };
+
+  // Tile i's wgmma is issued before tile i - 1's epilogue; no branch inside the pipeline.
+  issue(acc0, 0);
+  int it = 0;
+  for (; it + 2 < n; it += 2) {
+    issue(acc1, it + 1);
+    WgWait<1>();
+    release(it);
+    finish(acc0, it);
+    issue(acc0, it + 2);
+    WgWait<1>();
+    release(it + 1);
+    finish(acc1, it + 1);
+  }
+  if (it + 1 < n) {
+    issue(acc1, it + 1);
+    WgWait<1>();
+    release(it);
+    finish(acc0, it);
+    WgWait<0>();
+    release(it + 1);
+    finish(acc1, it + 1);
+  } else {
+    WgWait<0>();
+    release(it);
+    finish(acc0, it);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // (3) Exact top-k of one row of scores.
 
 // Order-preserving key of a score: 0 for -inf (invisible); a larger float a larger key; -0 = +0.
@@ -396,14 +720,17 @@ struct SelectState {
 // FAST (the default): each sweep issues four loads a thread before their first use, and the
 // sort runs its strides < 64 in registers and warp shuffles (two entries a thread) instead of
 // shared memory: 15 of its 66 steps touch shared memory instead of all of them.
-template <bool CACHE, bool FAST>
-__global__ void __launch_bounds__(kTopkThreads, 1)
+// NT threads a row (1024, one row an SM; or 256, four rows an SM so that one row's barriers and
+// load latencies hide behind the others').
+template <bool CACHE, bool FAST, int NT = kTopkThreads>
+__global__ void __launch_bounds__(NT, kTopkThreads / NT)
 TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict__ ranges, int topk,
            int32_t* __restrict__ out, float* __restrict__ out_scores) {
   extern __shared__ uint4 cache4[];  // CACHE: the row's keys
   __shared__ unsigned hist[256];
   __shared__ unsigned long long sel[kTopkMaxK];
-  __shared__ unsigned wtot[2][32];
+  constexpr int kWarps = NT / 32;
+  __shared__ unsigned wtot[2][kWarps];
   __shared__ SelectState st;
   __shared__ unsigned s_cnt;
 
@@ -415,7 +742,8 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
 
   auto key4 = [&](int i4, bool first) -> uint4 {
     if (CACHE && !first) return cache4[i4];
-    const float4 f = __ldcs(src4 + i4);
+    // One pass over HBM with the cache; without it, later passes re-read the row from L2.
+    const float4 f = (CACHE || NT == kTopkThreads) ? __ldcs(src4 + i4) : __ldcg(src4 + i4);
     const uint4 kk = make_uint4(ScoreKey(f.x), ScoreKey(f.y), ScoreKey(f.z), ScoreKey(f.w));
     if (CACHE) cache4[i4] = kk;
     return kk;
@@ -424,15 +752,15 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   // tile by tile (every thread makes the same calls: elements past the row are 0 = invisible).
   auto sweep = [&](bool first, auto&& fn) {
     constexpr int U = FAST ? 4 : 1;
-    for (int base = 0; base < n; base += U * 4 * kTopkThreads) {
+    for (int base = 0; base < n; base += U * 4 * NT) {
       uint4 kk[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int i = base + u * 4 * kTopkThreads + 4 * tid;
+        const int i = base + u * 4 * NT + 4 * tid;
         kk[u] = i < n ? key4(i >> 2, first) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) fn(base + u * 4 * kTopkThreads + 4 * tid, kk[u]);
+      for (int u = 0; u < U; ++u) fn(base + u * 4 * NT + 4 * tid, kk[u]);
     }
   };
 
@@ -540,7 +868,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
         if (lane == 31) wtot[par][warp] = incl;
         __syncthreads();
         unsigned before = 0, tile_total = 0;
-        for (int q = 0; q < 32; ++q) {
+        for (int q = 0; q < kWarps; ++q) {
           const unsigned t = wtot[par][q];
           before += q < warp ? t : 0u;
           tile_total += t;
@@ -563,77 +891,99 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
     });
   }
   if constexpr (FAST) {
-    // Bitonic sort, descending, of P = max(64, 2^ceil(log2 kprime)) entries (0-padded): thread
-    // t < P / 2 holds entries 2t, 2t+1; strides >= 64 go through shared memory, the others
-    // through warp shuffles (stride s: partner thread t ^ s / 2) and, for s = 1, in-thread.
+    // Bitonic sort, descending, of P = max(64, 2^ceil(log2 kprime)) entries (0-padded): virtual
+    // thread t < P / 2 (thread t % NT, slot t / NT) holds entries 2t, 2t+1; strides >= 64 go
+    // through shared memory, the others through warp shuffles (stride s: partner t ^ s / 2, in
+    // the same warp) and, for s = 1, in-thread.
+    constexpr int V = kTopkMaxK / 2 / NT;
     unsigned P = 64;
     while (P < kprime) P <<= 1;
-    const bool act = unsigned(tid) < P / 2;
-    const unsigned e0 = 2u * unsigned(tid);
     __syncthreads();
-    unsigned long long x0 = 0, x1 = 0;
-    if (act) {
-      x0 = e0 < kprime ? sel[e0] : 0ull;
-      x1 = e0 + 1 < kprime ? sel[e0 + 1] : 0ull;
+    unsigned long long x0[V], x1[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const unsigned e0 = 2u * unsigned(tid + NT * v);
+      x0[v] = e0 < kprime ? sel[e0] : 0ull;
+      x1[v] = e0 + 1 < kprime ? sel[e0 + 1] : 0ull;
     }
     if (kprime > 1) {
       for (unsigned size = 2; size <= P; size <<= 1) {
-        unsigned s = size >> 1;
-        if (s >= 64) {
+        unsigned s0 = size >> 1;
+        if (s0 >= 64) {
           __syncthreads();
-          if (act) {
-            sel[e0] = x0;
-            sel[e0 + 1] = x1;
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const unsigned e0 = 2u * unsigned(tid + NT * v);
+            if (e0 < P) {
+              sel[e0] = x0[v];
+              sel[e0 + 1] = x1[v];
+            }
           }
           __syncthreads();
-          for (; s >= 64; s >>= 1) {
-            if (act) {
-              const unsigned i = e0 - (unsigned(tid) & (s - 1));
-              const unsigned jj = i + s;
-              const bool desc = (i & size) == 0;
-              const unsigned long long x = sel[i], y = sel[jj];
-              if ((x < y) == desc) {
-                sel[i] = y;
-                sel[jj] = x;
+          for (; s0 >= 64; s0 >>= 1) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+              const unsigned t = unsigned(tid + NT * v);
+              if (2u * t < P) {
+                const unsigned i = 2u * t - (t & (s0 - 1));
+                const unsigned jj = i + s0;
+                const bool desc = (i & size) == 0;
+                const unsigned long long x = sel[i], y = sel[jj];
+                if ((x < y) == desc) {
+                  sel[i] = y;
+                  sel[jj] = x;
+                }
               }
             }
             __syncthreads();
           }
-          if (act) {
-            x0 = sel[e0];
-            x1 = sel[e0 + 1];
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const unsigned e0 = 2u * unsigned(tid + NT * v);
+            if (e0 < P) {
+              x0[v] = sel[e0];
+              x1[v] = sel[e0 + 1];
+            }
           }
         }
-        if (act) {
-          const bool desc = (e0 & size) == 0;
-          for (; s >= 2; s >>= 1) {
-            const unsigned long long y0 = __shfl_xor_sync(kFull, x0, int(s >> 1));
-            const unsigned long long y1 = __shfl_xor_sync(kFull, x1, int(s >> 1));
-            const bool keep_max = ((e0 & s) == 0) == desc;
-            x0 = keep_max ? (x0 > y0 ? x0 : y0) : (x0 < y0 ? x0 : y0);
-            x1 = keep_max ? (x1 > y1 ? x1 : y1) : (x1 < y1 ? x1 : y1);
-          }
-          if ((x0 < x1) == desc) {
-            const unsigned long long t = x0;
-            x0 = x1;
-            x1 = t;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const unsigned e0 = 2u * unsigned(tid + NT * v);
+          if (e0 < P) {  // warp-uniform: P / 2 is a multiple of 32
+            const bool desc = (e0 & size) == 0;
+            for (unsigned s = s0; s >= 2; s >>= 1) {
+              const unsigned long long y0 = __shfl_xor_sync(kFull, x0[v], int(s >> 1));
+              const unsigned long long y1 = __shfl_xor_sync(kFull, x1[v], int(s >> 1));
+              const bool keep_max = ((e0 & s) == 0) == desc;
+              x0[v] = keep_max ? (x0[v] > y0 ? x0[v] : y0) : (x0[v] < y0 ? x0[v] : y0);
+              x1[v] = keep_max ? (x1[v] > y1 ? x1[v] : y1) : (x1[v] < y1 ? x1[v] : y1);
+            }
+            if ((x0[v] < x1[v]) == desc) {
+              const unsigned long long t = x0[v];
+              x0[v] = x1[v];
+              x1[v] = t;
+            }
           }
         }
       }
     }
     int32_t* o = out + int64_t(r) * topk;
     float* os = out_scores ? out_scores + int64_t(r) * topk : nullptr;
-    if (act) {
-      if (e0 < unsigned(topk)) {
-        o[e0] = e0 < kprime ? int32_t(0xffffffffu - uint32_t(x0 & 0xffffffffull)) : -1;
-        if (os) os[e0] = e0 < kprime ? KeyScore(uint32_t(x0 >> 32)) : -INFINITY;
-      }
-      if (e0 + 1 < unsigned(topk)) {
-        o[e0 + 1] = e0 + 1 < kprime ? int32_t(0xffffffffu - uint32_t(x1 & 0xffffffffull)) : -1;
-        if (os) os[e0 + 1] = e0 + 1 < kprime ? KeyScore(uint32_t(x1 >> 32)) : -INFINITY;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const unsigned e0 = 2u * unsigned(tid + NT * v);
+      if (e0 < P) {
+        if (e0 < unsigned(topk)) {
+          o[e0] = e0 < kprime ? int32_t(0xffffffffu - uint32_t(x0[v] & 0xffffffffull)) : -1;
+          if (os) os[e0] = e0 < kprime ? KeyScore(uint32_t(x0[v] >> 32)) : -INFINITY;
+        }
+        if (e0 + 1 < unsigned(topk)) {
+          o[e0 + 1] = e0 + 1 < kprime ? int32_t(0xffffffffu - uint32_t(x1[v] & 0xffffffffull)) : -1;
+          if (os) os[e0 + 1] = e0 + 1 < kprime ? KeyScore(uint32_t(x1[v] >> 32)) : -INFINITY;
+        }
       }
     }
-    for (int i = int(P) + tid; i < topk; i += kTopkThreads) {
+    for (int i = int(P) + tid; i < topk; i += NT) {
       o[i] = -1;
       if (os) os[i] = -INFINITY;
     }
@@ -642,12 +992,12 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
     unsigned P = 1;
     while (P < kprime) P <<= 1;
     __syncthreads();
-    for (unsigned i = kprime + tid; i < P; i += kTopkThreads) sel[i] = 0ull;
+    for (unsigned i = kprime + tid; i < P; i += NT) sel[i] = 0ull;
     __syncthreads();
     if (kprime > 1) {
       for (unsigned size = 2; size <= P; size <<= 1) {
         for (unsigned stride = size >> 1; stride > 0; stride >>= 1) {
-          for (unsigned t = tid; t < P / 2; t += kTopkThreads) {
+          for (unsigned t = tid; t < P / 2; t += NT) {
             const unsigned i = 2 * t - (t & (stride - 1));
             const unsigned jj = i + stride;
             const bool desc = (i & size) == 0;
@@ -662,7 +1012,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
       }
     }
     int32_t* o = out + int64_t(r) * topk;
-    for (int i = tid; i < topk; i += kTopkThreads) {
+    for (int i = tid; i < topk; i += NT) {
       o[i] = unsigned(i) < kprime ? int32_t(0xffffffffu - uint32_t(sel[i] & 0xffffffffull)) : -1;
       if (out_scores)
         out_scores[int64_t(r) * topk + i] =
@@ -674,28 +1024,34 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-// Score kernel variants: <heads / 32, key columns a step / 8, CTAs an SM, positions loaded
-// before the products, pipeline stages>. 64 keys a step need 198 registers (one CTA an SM), 32
-// keys a step fit 128 (two CTAs). TopkLaunch::score_variant (-1: JAX_DSA_INDEXER_SCORE_VARIANT,
-// benchmarks only, else the default) picks one. All give the same bits (the same products and the
-// same head-sum tree). H200, GLM-5 32K causal, score kernels alone: v0 18.0 ms, v1 13.2, v2 15.4,
-// v3 12.0, v4 12.0 (benchmarks/results/gpu_indexer_topk_h200.json).
+// Score kernel variants. 0-4, ScoreKernel (mma.sync) <heads / 32, key columns a step / 8, CTAs an
+// SM, positions loaded before the products, pipeline stages>: 64 keys a step need 198 registers
+// (one CTA an SM), 32 keys a step fit 128 (two CTAs). 5, ScoreKernelWg (wgmma, 4 stages; 6 stages
+// measured 8 % slower). TopkLaunch::score_variant (-1: JAX_DSA_INDEXER_SCORE_VARIANT, benchmarks
+// only, else the default) picks one. The variants of a family (TopkScoreVariantFamily) give the
+// same bits. H200, GLM-5 causal, score kernels alone, 16K / 32K: v0 4.10 / 18.0 ms, v1 3.24 /
+// 13.2, v2 3.59 / 15.5, v3 2.88 / 12.0, v4 2.96 / 12.0, v5 2.47 / 10.3
+// (benchmarks/results/gpu_indexer_topk_h200.json).
 using ScoreFnT = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const float*, const int32_t*,
                           const int32_t*, const int32_t*, const int32_t*, const int4*, int, int, int,
                           int64_t, float*, int2*);
 struct ScoreVariantFns {
   ScoreFnT fn[2];  // G = 1, 2
-  int stages;
+  int threads;
+  int smem;        // dynamic shared memory bytes
 };
-constexpr int kNumScoreVariants = 5;
+constexpr int WgSmem(int stages) { return 1024 + 2 * kWgQBytes + stages * kTileBytes; }  // + alignment slack
+constexpr int kNumScoreVariants = 6;
+constexpr int kFirstWgVariant = 5;
 const ScoreVariantFns kScoreFns[kNumScoreVariants] = {
-    {{&ScoreKernel<1, 8, 1, false, 3>, &ScoreKernel<2, 8, 1, false, 3>}, 3},
-    {{&ScoreKernel<1, 4, 2, false, 3>, &ScoreKernel<2, 4, 2, false, 3>}, 3},
-    {{&ScoreKernel<1, 8, 1, true, 3>, &ScoreKernel<2, 8, 1, true, 3>}, 3},
-    {{&ScoreKernel<1, 4, 2, true, 3>, &ScoreKernel<2, 4, 2, true, 3>}, 3},
-    {{&ScoreKernel<1, 4, 2, true, 4>, &ScoreKernel<2, 4, 2, true, 4>}, 4},
+    {{&ScoreKernel<1, 8, 1, false, 3>, &ScoreKernel<2, 8, 1, false, 3>}, kScoreThreads, 3 * kTileBytes},
+    {{&ScoreKernel<1, 4, 2, false, 3>, &ScoreKernel<2, 4, 2, false, 3>}, kScoreThreads, 3 * kTileBytes},
+    {{&ScoreKernel<1, 8, 1, true, 3>, &ScoreKernel<2, 8, 1, true, 3>}, kScoreThreads, 3 * kTileBytes},
+    {{&ScoreKernel<1, 4, 2, true, 3>, &ScoreKernel<2, 4, 2, true, 3>}, kScoreThreads, 3 * kTileBytes},
+    {{&ScoreKernel<1, 4, 2, true, 4>, &ScoreKernel<2, 4, 2, true, 4>}, kScoreThreads, 4 * kTileBytes},
+    {{&ScoreKernelWg<1, 4>, &ScoreKernelWg<2, 4>}, kWgThreads, WgSmem(4)},
 };
-constexpr int kDefaultScoreVariant = 3;
+constexpr int kDefaultScoreVariant = 5;
 
 // The variant switches below are read once per process (benchmarks set them before the first call).
 int ScoreVariant() {
@@ -709,9 +1065,13 @@ int ScoreVariant() {
 
 // Top-k kernel variants: 0: every sweep one load a thread at a time, the sort all in shared
 // memory; 1 (FAST): four loads in flight, the sort's short strides in registers (H200, GLM-5 16K
-// causal, top-k kernel alone: 3.83 ms -> 2.84 ms). Same results.
-constexpr int kNumTopkVariants = 2;
-constexpr int kDefaultTopkVariant = 1;
+// causal, top-k kernel alone: 3.83 ms -> 2.84 ms); 2: FAST with 256 threads a row, four rows an
+// SM (the row cached in shared memory only up to kCacheMaxElems256 keys; 2.84 -> 2.14 ms). Same
+// results.
+constexpr int kNumTopkVariants = 3;
+constexpr int kTopkThreads256 = 256;
+constexpr int kCacheMaxElems256 = 8192;  // 32 KiB: four CTAs an SM
+constexpr int kDefaultTopkVariant = 2;
 
 int TopkVariant() {
   static const int chosen = [] {
@@ -758,8 +1118,7 @@ cudaError_t TopkPrepare() {
   for (int v = 0; v < kNumScoreVariants; ++v) {
     for (int g = 0; g < 2; ++g) {
       e = cudaFuncSetAttribute(reinterpret_cast<const void*>(kScoreFns[v].fn[g]),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kScoreFns[v].stages * kTileBytes);
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kScoreFns[v].smem);
       if (e != cudaSuccess) return e;
     }
   }
@@ -768,12 +1127,19 @@ cudaError_t TopkPrepare() {
     e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheMaxElems * 4);
     if (e != cudaSuccess) return e;
   }
+  e = cudaFuncSetAttribute(reinterpret_cast<const void*>(&TopkKernel<true, true, kTopkThreads256>),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheMaxElems256 * 4);
+  if (e != cudaSuccess) return e;
   if (bit) g_prepared.fetch_or(bit);
   return cudaSuccess;
 }
 
 int TopkScoreVariants() { return kNumScoreVariants; }
 int TopkTopkVariants() { return kNumTopkVariants; }
+int TopkScoreVariantFamily(int variant) {
+  if (variant < 0 || variant >= kNumScoreVariants) variant = ScoreVariant();
+  return variant >= kFirstWgVariant ? 1 : 0;
+}
 
 cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
   *what = "preparing the kernels";
@@ -818,7 +1184,7 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
       const float* ww = a.w + t0 * a.heads;
       *what = "launching the score kernel";
       if (!topk_only) {
-        kScoreFns[variant].fn[G - 1]<<<grid, kScoreThreads, kScoreFns[variant].stages * kTileBytes,
+        kScoreFns[variant].fn[G - 1]<<<grid, kScoreFns[variant].threads, kScoreFns[variant].smem,
                                        a.stream>>>(qq, kk, ww, a.q_pos + t0, a.q_seg + t0, kv_pos,
                                                    kv_seg, stats, nt, rows, int(a.s_kv), ld, scores,
                                                    ranges);
@@ -829,7 +1195,14 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
       int32_t* oo = a.out + t0 * a.topk;
       float* os = a.out_scores ? a.out_scores + t0 * a.topk : nullptr;
       const size_t smem = cache ? size_t(ld) * 4 : 0;
-      if (topk_variant == 0) {
+      if (topk_variant == 2) {
+        if (ld <= kCacheMaxElems256)
+          TopkKernel<true, true, kTopkThreads256><<<rows, kTopkThreads256, size_t(ld) * 4, a.stream>>>(
+              scores, ld, ranges, int(a.topk), oo, os);
+        else
+          TopkKernel<false, true, kTopkThreads256><<<rows, kTopkThreads256, 0, a.stream>>>(
+              scores, ld, ranges, int(a.topk), oo, os);
+      } else if (topk_variant == 0) {
         if (cache)
           TopkKernel<true, false><<<rows, kTopkThreads, smem, a.stream>>>(scores, ld, ranges, int(a.topk), oo, os);
         else

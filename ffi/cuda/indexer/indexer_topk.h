@@ -9,10 +9,11 @@
 //
 // Work per batch element and chunk of query rows (a [chunk_rows, ld] fp32 score buffer in the
 // workspace, never [S_q, S_kv] at once): (1) per 64-key tile min position and segment range;
-// (2) the score kernel: mma.sync m16n8k16 bf16 with each warp's 32 heads of one query in
-// registers, 64-key tiles streamed through shared memory by cp.async, relu + weighted head sum
-// in registers, -inf for invisible keys; the key tiles that no query of a CTA can see are skipped
-// and the row's scanned range [lo, hi) is recorded; (3) the top-k kernel: one CTA per row,
+// (2) the score kernel: wgmma m64n128k16 bf16 (K Q^T, 64 keys x 4 queries' 32 heads, or 2
+// queries' 64), a producer warpgroup streaming 64-key tiles through shared memory by cp.async,
+// relu + weighted head sum in registers, -inf for invisible keys (mma.sync variants kept for
+// comparison); the key tiles that no query of a CTA can see are skipped and the row's scanned
+// range [lo, hi) is recorded; (3) the top-k kernel: one 256-thread CTA per row,
 // radix select on order-preserving uint32 keys (8 bits a pass), lowest-index tie rule by an
 // ordered prefix count, bitonic sort of (key, ~index) in shared memory; optionally the selected
 // keys' scores beside their indices.
@@ -74,6 +75,9 @@ struct TopkLaunch {
 // Numbers of score and top-k kernel variants (TopkLaunch::score_variant, ::topk_variant).
 int TopkScoreVariants();
 int TopkTopkVariants();
+// Score variants of one family give the same bits (the same products and head-sum tree): 0, the
+// mma.sync kernels; 1, the wgmma kernel (-1: the default variant's).
+int TopkScoreVariantFamily(int variant);
 
 // Raises the kernels' shared-memory limits on the current device (idempotent, per device).
 cudaError_t TopkPrepare();
