@@ -15,8 +15,8 @@
 // comparison); the key tiles that no query of a CTA can see are skipped and the row's scanned
 // range [lo, hi) is recorded; (3) the top-k kernel: one 256-thread CTA per row,
 // radix select on order-preserving uint32 keys (8 bits a pass), lowest-index tie rule by an
-// ordered prefix count, bitonic sort of (key, ~index) in shared memory; optionally the selected
-// keys' scores beside their indices.
+// ordered prefix count, the selected keys collected in index order and sorted by a stable block
+// radix sort (CUB) on their keys; optionally the selected keys' scores beside their indices.
 #pragma once
 
 #include <cuda_runtime.h>
