@@ -438,7 +438,10 @@ __device__ __forceinline__ uint32_t WgChunk(int r, int c, int rows) {
   return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-template <int G, int STAGES>
+// KVSMEM: the producer also copies each tile's key positions and segment ids into the stage (one
+// 4-byte cp.async a thread), so that the consumers' visibility test reads shared memory instead of
+// waiting on global loads after each tile's wgmma.
+template <int G, int STAGES, bool KVSMEM = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
 ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
               const float* __restrict__ w, const int32_t* __restrict__ q_pos,
@@ -460,6 +463,8 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t qbase = SmemAddr(smem);                    // 2 x 32 KiB of q
   const uint32_t kbase = qbase + 2 * kWgQBytes;             // STAGES x 16 KiB of keys
+  // KVSMEM: STAGES x (64 positions, 64 segment ids) after the keys.
+  int* kvmeta = reinterpret_cast<int*>(smem + 2 * kWgQBytes + STAGES * kTileBytes);
 
   if (tid == 0) {
     int qmax = INT_MIN, smin = INT_MAX, smax = INT_MIN;
@@ -540,6 +545,14 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
         const bool v = s < s_kv;
         CpAsync16(dst + WgChunk(r, c, kBN), k + int64_t(v ? s : 0) * kD + c * 8, v);
       }
+      if constexpr (KVSMEM) {
+        const int s = j * kBN + (pt & 63);
+        const bool v = s < s_kv;
+        const int32_t* src = (pt < 64 ? kv_pos : kv_seg) + (v ? s : 0);
+        const uint32_t d4 = SmemAddr(kvmeta + st * 128 + pt);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d4), "l"(src), "r"(v ? 4 : 0)
+                     : "memory");
+      }
       CpAsyncCommit();
       if (it >= LAG) {
         CpAsyncWait<LAG>();
@@ -605,10 +618,17 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
 #pragma unroll
     for (int m = 0; m < NO; ++m) {
       const int row = ((quad * NO + m) & 1) ? r0 + 8 : r0;
-      const int s = min(j * kBN + row, s_kv - 1);
-      kvp[m] = __ldg(kv_pos + s);
-      kvs[m] = __ldg(kv_seg + s);
+      if constexpr (KVSMEM) {
+        const int* meta = kvmeta + (it % STAGES) * 128;
+        kvp[m] = meta[row];
+        kvs[m] = meta[64 + row];
+      } else {
+        const int s = min(j * kBN + row, s_kv - 1);
+        kvp[m] = __ldg(kv_pos + s);
+        kvs[m] = __ldg(kv_seg + s);
+      }
     }
+    if constexpr (KVSMEM) release(it);  // the stage's positions are read
     // v[query * 2 + row]: relu, weight, this thread's H / 4 heads in order.
     float v[NV];
 #pragma unroll
@@ -658,31 +678,32 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
     }
   };
 
+  // Without KVSMEM the stage is free once its wgmma completed; with it, once the epilogue read the
+  // stage's positions.
+  auto done = [&](float (&acc)[64], int it) {
+    if constexpr (!KVSMEM) release(it);
+    finish(acc, it);
+  };
   // Tile i's wgmma is issued before tile i - 1's epilogue; no branch inside the pipeline.
   issue(acc0, 0);
   int it = 0;
   for (; it + 2 < n; it += 2) {
     issue(acc1, it + 1);
     WgWait<1>();
-    release(it);
-    finish(acc0, it);
+    done(acc0, it);
     issue(acc0, it + 2);
     WgWait<1>();
-    release(it + 1);
-    finish(acc1, it + 1);
+    done(acc1, it + 1);
   }
   if (it + 1 < n) {
     issue(acc1, it + 1);
     WgWait<1>();
-    release(it);
-    finish(acc0, it);
+    done(acc0, it);
     WgWait<0>();
-    release(it + 1);
-    finish(acc1, it + 1);
+    done(acc1, it + 1);
   } else {
     WgWait<0>();
-    release(it);
-    finish(acc0, it);
+    done(acc0, it);
   }
 }
 
@@ -1090,10 +1111,11 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
 // Score kernel variants. 0-4, ScoreKernel (mma.sync) <heads / 32, key columns a step / 8, CTAs an
 // SM, positions loaded before the products, pipeline stages>: 64 keys a step need 198 registers
 // (one CTA an SM), 32 keys a step fit 128 (two CTAs). 5, ScoreKernelWg (wgmma, 4 stages; 6 stages
-// measured 8 % slower). TopkLaunch::score_variant (-1: JAX_DSA_INDEXER_SCORE_VARIANT, benchmarks
+// measured 8 % slower); 6, the same with the key positions and segment ids staged in shared
+// memory by the producer. TopkLaunch::score_variant (-1: JAX_DSA_INDEXER_SCORE_VARIANT, benchmarks
 // only, else the default) picks one. The variants of a family (TopkScoreVariantFamily) give the
 // same bits. H200, GLM-5 causal, score kernels alone, 16K / 32K: v0 4.10 / 18.0 ms, v1 3.24 /
-// 13.2, v2 3.59 / 15.5, v3 2.88 / 12.0, v4 2.96 / 12.0, v5 2.47 / 10.3
+// 13.2, v2 3.59 / 15.5, v3 2.88 / 12.0, v4 2.96 / 12.0, v5 2.47 / 10.3, v6 2.20 / 9.0
 // (benchmarks/results/gpu_indexer_topk_h200.json).
 using ScoreFnT = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const float*, const int32_t*,
                           const int32_t*, const int32_t*, const int32_t*, const int4*, int, int, int,
@@ -1103,8 +1125,8 @@ struct ScoreVariantFns {
   int threads;
   int smem;        // dynamic shared memory bytes
 };
-constexpr int WgSmem(int stages) { return 1024 + 2 * kWgQBytes + stages * kTileBytes; }  // + alignment slack
-constexpr int kNumScoreVariants = 6;
+constexpr int WgSmem(int stages) { return 1024 + 2 * kWgQBytes + stages * (kTileBytes + 512); }  // + alignment slack
+constexpr int kNumScoreVariants = 7;
 constexpr int kFirstWgVariant = 5;
 const ScoreVariantFns kScoreFns[kNumScoreVariants] = {
     {{&ScoreKernel<1, 8, 1, false, 3>, &ScoreKernel<2, 8, 1, false, 3>}, kScoreThreads, 3 * kTileBytes},
@@ -1113,8 +1135,9 @@ const ScoreVariantFns kScoreFns[kNumScoreVariants] = {
     {{&ScoreKernel<1, 4, 2, true, 3>, &ScoreKernel<2, 4, 2, true, 3>}, kScoreThreads, 3 * kTileBytes},
     {{&ScoreKernel<1, 4, 2, true, 4>, &ScoreKernel<2, 4, 2, true, 4>}, kScoreThreads, 4 * kTileBytes},
     {{&ScoreKernelWg<1, 4>, &ScoreKernelWg<2, 4>}, kWgThreads, WgSmem(4)},
+    {{&ScoreKernelWg<1, 4, true>, &ScoreKernelWg<2, 4, true>}, kWgThreads, WgSmem(4)},
 };
-constexpr int kDefaultScoreVariant = 5;
+constexpr int kDefaultScoreVariant = 6;
 
 // The variant switches below are read once per process (benchmarks set them before the first call).
 int ScoreVariant() {
