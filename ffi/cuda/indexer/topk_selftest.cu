@@ -101,8 +101,8 @@ static int RunCase(const Case& c, std::mt19937& rng) {
   std::vector<std::vector<int32_t>> outs;
   std::vector<int32_t> out_v(nq * c.topk);
   int variant_mismatch = 0;
-  // (score variant, top-k variant): every score variant with the default top-k, and the other
-  // top-k variant; all of a family must give its first variant's bits.
+  // (score variant, top-k variant): every score variant with the default top-k, then every top-k
+  // variant with the default score variant; all of a family must give its first variant's bits.
   const int nsv = jax_dsa::indexer::TopkScoreVariants();
   const int ncombo = nsv + jax_dsa::indexer::TopkTopkVariants();
   for (int v = 0; v < ncombo; ++v) {
@@ -136,60 +136,60 @@ static int RunCase(const Case& c, std::mt19937& rng) {
   int bad_rows = 0;
   long long ties_checked = 0;
   for (const std::vector<int32_t>& out : outs) {
-  if (out.empty()) continue;
-  std::vector<double> ref(c.s_kv), bound(c.s_kv);
-  std::vector<char> vis(c.s_kv), chosen(c.s_kv);
-  for (int b = 0; b < c.nb; ++b) {
-    for (int t = 0; t < c.s_q; ++t) {
-      const int64_t row = int64_t(b) * c.s_q + t;
-      int visible = 0;
-      for (int s = 0; s < c.s_kv; ++s) {
-        const int64_t ks_ = int64_t(b) * c.s_kv + s;
-        vis[s] = kp[ks_] <= qp[row] && ks[ks_] == qs[row];
-        visible += vis[s];
-        double acc = 0, absacc = 0;
-        for (int hh = 0; hh < c.h; ++hh) {
-          double dot = 0, adot = 0;
-          for (int d = 0; d < 128; ++d) {
-            const double x = qf[(row * c.h + hh) * 128 + d], y = kf[ks_ * 128 + d];
-            dot += x * y;
-            adot += std::fabs(x * y);
-          }
-          acc += w[row * c.h + hh] * std::max(dot, 0.0);
-          absacc += std::fabs(w[row * c.h + hh]) * adot;
-        }
-        ref[s] = acc;
-        bound[s] = absacc * 4e-5 + 1e-30;  // (128 * 2^-22 + 64 * 2^-23) * sum |w||q||k|
-      }
-      const int kprime = std::min(visible, c.topk);
-      std::fill(chosen.begin(), chosen.end(), 0);
-      bool ok = true;
-      double min_sel = INFINITY, min_sel_b = 0;
-      for (int i = 0; i < c.topk; ++i) {
-        const int32_t v = out[row * c.topk + i];
-        if (i < kprime) {
-          if (v < 0 || v >= c.s_kv || !vis[v] || chosen[v]) { ok = false; break; }
-          chosen[v] = 1;
-          if (ref[v] < min_sel) { min_sel = ref[v]; min_sel_b = bound[v]; }
-        } else if (v != -1) {
-          ok = false;
-          break;
-        }
-      }
-      if (ok) {
+    if (out.empty()) continue;
+    std::vector<double> ref(c.s_kv), bound(c.s_kv);
+    std::vector<char> vis(c.s_kv), chosen(c.s_kv);
+    for (int b = 0; b < c.nb; ++b) {
+      for (int t = 0; t < c.s_q; ++t) {
+        const int64_t row = int64_t(b) * c.s_q + t;
+        int visible = 0;
         for (int s = 0; s < c.s_kv; ++s) {
-          if (vis[s] && !chosen[s] && ref[s] > min_sel + min_sel_b + bound[s]) { ok = false; break; }
-          if (vis[s] && !chosen[s] && ref[s] == min_sel) ++ties_checked;
+          const int64_t ks_ = int64_t(b) * c.s_kv + s;
+          vis[s] = kp[ks_] <= qp[row] && ks[ks_] == qs[row];
+          visible += vis[s];
+          double acc = 0, absacc = 0;
+          for (int hh = 0; hh < c.h; ++hh) {
+            double dot = 0, adot = 0;
+            for (int d = 0; d < 128; ++d) {
+              const double x = qf[(row * c.h + hh) * 128 + d], y = kf[ks_ * 128 + d];
+              dot += x * y;
+              adot += std::fabs(x * y);
+            }
+            acc += w[row * c.h + hh] * std::max(dot, 0.0);
+            absacc += std::fabs(w[row * c.h + hh]) * adot;
+          }
+          ref[s] = acc;
+          bound[s] = absacc * 4e-5 + 1e-30;  // (128 * 2^-22 + 64 * 2^-23) * sum |w||q||k|
         }
-      }
-      if (!ok && bad_rows++ < 3) {
-        std::printf("%s: row %lld wrong (visible %d, kprime %d): first slots", c.name, (long long)row,
-                    visible, kprime);
-        for (int i = 0; i < std::min(c.topk, 8); ++i) std::printf(" %d", out[row * c.topk + i]);
-        std::printf("\n");
+        const int kprime = std::min(visible, c.topk);
+        std::fill(chosen.begin(), chosen.end(), 0);
+        bool ok = true;
+        double min_sel = INFINITY, min_sel_b = 0;
+        for (int i = 0; i < c.topk; ++i) {
+          const int32_t v = out[row * c.topk + i];
+          if (i < kprime) {
+            if (v < 0 || v >= c.s_kv || !vis[v] || chosen[v]) { ok = false; break; }
+            chosen[v] = 1;
+            if (ref[v] < min_sel) { min_sel = ref[v]; min_sel_b = bound[v]; }
+          } else if (v != -1) {
+            ok = false;
+            break;
+          }
+        }
+        if (ok) {
+          for (int s = 0; s < c.s_kv; ++s) {
+            if (vis[s] && !chosen[s] && ref[s] > min_sel + min_sel_b + bound[s]) { ok = false; break; }
+            if (vis[s] && !chosen[s] && ref[s] == min_sel) ++ties_checked;
+          }
+        }
+        if (!ok && bad_rows++ < 3) {
+          std::printf("%s: row %lld wrong (visible %d, kprime %d): first slots", c.name, (long long)row,
+                      visible, kprime);
+          for (int i = 0; i < std::min(c.topk, 8); ++i) std::printf(" %d", out[row * c.topk + i]);
+          std::printf("\n");
+        }
       }
     }
-  }
   }
   for (void* p : {dq, dk, dw, dqp, dkp, dqs, dks, dout, dws}) CHECK_CUDA(cudaFree(p));
   std::printf("%s: %s (%d of %lld rows wrong; %lld exact ties at the threshold left out; %d variants "
