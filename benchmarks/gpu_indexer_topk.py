@@ -7,8 +7,8 @@ causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 hea
 Each time is the median of --reps jitted calls after 3 warm-up calls, host wall time around
 block_until_ready, fresh random bf16 inputs (no zeros). Beside the whole call: the score kernels
 alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores;
-the same two for ``qk_dtype="float8_e4m3fn"`` (the bf16 kernels on the exact fp8 values, the quantization included), and
-the share of the 256 longest rows' keys that bf16 and fp8 both select.
+the same two for ``qk_dtype="float8_e4m3fn"`` (the bf16 kernels on the exact fp8 values,
+quantization included), and the share of the 256 longest rows' keys that bf16 and fp8 both select.
 Command buffers are turned off (XLA_FLAGS) so that the variable takes effect per call. The
 kernels' own CUDA-event times, per score-kernel variant, come from
 ``topk_selftest --bench`` (ffi/cuda/indexer/topk_selftest.cu).
