@@ -93,6 +93,61 @@ __global__ void TileStatsKernel(const int32_t* __restrict__ kv_pos, const int32_
 }
 
 // ---------------------------------------------------------------------------------------------
+// The key tiles of a score CTA: the union over its bq rows (from row0) of the 64-key tiles that any
+// of them can see (by each tile's min position and segment range), recorded as every row's scanned
+// range [lo, hi) in keys; returns this CTA's share [j0, j1) of it (blockIdx.y of gridDim.y).
+// Called by all `threads` threads of the CTA (two barriers).
+__device__ __forceinline__ int2 CtaTileRange(int row0, int bq, int rows, const int32_t* __restrict__ q_pos,
+                                             const int32_t* __restrict__ q_seg,
+                                             const int4* __restrict__ stats, int nt,
+                                             int2* __restrict__ ranges, int threads) {
+  __shared__ int s_lo, s_hi, s_qmax, s_smin, s_smax;
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid == 0) {
+    int qmax = INT_MIN, smin = INT_MAX, smax = INT_MIN;
+    for (int i = 0; i < bq; ++i) {
+      if (row0 + i < rows) {
+        qmax = max(qmax, q_pos[row0 + i]);
+        const int sg = q_seg[row0 + i];
+        smin = min(smin, sg);
+        smax = max(smax, sg);
+      }
+    }
+    s_qmax = qmax;
+    s_smin = smin;
+    s_smax = smax;
+    s_lo = INT_MAX;
+    s_hi = -1;
+  }
+  __syncthreads();
+  {
+    const int qmax = s_qmax, smin = s_smin, smax = s_smax;
+    int lo = INT_MAX, hi = -1;
+    for (int j = tid; j < nt; j += threads) {
+      const int4 st = stats[j];
+      if (st.x <= qmax && st.y <= smax && st.z >= smin) {
+        lo = min(lo, j);
+        hi = max(hi, j);
+      }
+    }
+    lo = WarpMin(lo);
+    hi = WarpMax(hi);
+    if (lane == 0) {
+      atomicMin(&s_lo, lo);
+      atomicMax(&s_hi, hi);
+    }
+  }
+  __syncthreads();
+  int t_lo = s_lo, t_hi = s_hi + 1;
+  if (t_hi <= t_lo) t_lo = t_hi = 0;  // no key visible to any of these rows
+  if (blockIdx.y == 0 && tid < bq && row0 + tid < rows)
+    ranges[row0 + tid] = make_int2(t_lo * kBN, t_hi * kBN);
+  const int per = (t_hi - t_lo + int(gridDim.y) - 1) / int(gridDim.y);
+  const int j0 = t_lo + int(blockIdx.y) * per;
+  return make_int2(j0, min(t_hi, j0 + per));
+}
+
+// ---------------------------------------------------------------------------------------------
 // (2) Scores of one chunk of query rows.
 //
 // CTA: 8 warps; warp w takes query row0 + w / G and heads [32 (w % G), +32) (G = heads / 32).
@@ -117,7 +172,6 @@ ScoreKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict
   constexpr int WF = W0 / 8;       // ... and after it
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[NSUB][G > 1 ? BQ : 1][G > 1 ? 8 * NTS : 1];
-  __shared__ int s_lo, s_hi, s_qmax, s_smin, s_smax;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows (causal) first
@@ -125,47 +179,8 @@ ScoreKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict
   const int row = row0 + qi;
   const bool row_ok = row < rows;
 
-  if (tid == 0) {
-    int qmax = INT_MIN, smin = INT_MAX, smax = INT_MIN;
-    for (int i = 0; i < BQ; ++i) {
-      if (row0 + i < rows) {
-        qmax = max(qmax, q_pos[row0 + i]);
-        const int sg = q_seg[row0 + i];
-        smin = min(smin, sg);
-        smax = max(smax, sg);
-      }
-    }
-    s_qmax = qmax;
-    s_smin = smin;
-    s_smax = smax;
-    s_lo = INT_MAX;
-    s_hi = -1;
-  }
-  __syncthreads();
-  {
-    const int qmax = s_qmax, smin = s_smin, smax = s_smax;
-    int lo = INT_MAX, hi = -1;
-    for (int j = tid; j < nt; j += kScoreThreads) {
-      const int4 st = stats[j];
-      if (st.x <= qmax && st.y <= smax && st.z >= smin) {
-        lo = min(lo, j);
-        hi = max(hi, j);
-      }
-    }
-    lo = WarpMin(lo);
-    hi = WarpMax(hi);
-    if (lane == 0) {
-      atomicMin(&s_lo, lo);
-      atomicMax(&s_hi, hi);
-    }
-  }
-  __syncthreads();
-  int t_lo = s_lo, t_hi = s_hi + 1;
-  if (t_hi <= t_lo) t_lo = t_hi = 0;  // no key visible to any of these rows
-  if (blockIdx.y == 0 && tid < BQ && row0 + tid < rows)
-    ranges[row0 + tid] = make_int2(t_lo * kBN, t_hi * kBN);
-  const int per = (t_hi - t_lo + int(gridDim.y) - 1) / int(gridDim.y);
-  const int j0 = t_lo + int(blockIdx.y) * per, j1 = min(t_hi, j0 + per);
+  const int2 jr = CtaTileRange(row0, BQ, rows, q_pos, q_seg, stats, nt, ranges, kScoreThreads);
+  const int j0 = jr.x, j1 = jr.y;
   if (j0 >= j1) return;  // uniform over the CTA
 
   // This warp's q as A fragments (rows = heads, cols = d), its 4 head weights, its position
@@ -456,7 +471,6 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   constexpr int LAG = STAGES - 2;   // tiles the producer keeps in flight beyond the one it hands over
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
-  __shared__ int s_lo, s_hi, s_qmax, s_smin, s_smax;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // the longest rows (causal) first
@@ -467,50 +481,14 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   int* kvmeta = reinterpret_cast<int*>(smem + 2 * kWgQBytes + STAGES * kTileBytes);
 
   if (tid == 0) {
-    int qmax = INT_MIN, smin = INT_MAX, smax = INT_MIN;
-    for (int i = 0; i < BQ; ++i) {
-      if (row0 + i < rows) {
-        qmax = max(qmax, q_pos[row0 + i]);
-        const int sg = q_seg[row0 + i];
-        smin = min(smin, sg);
-        smax = max(smax, sg);
-      }
-    }
-    s_qmax = qmax;
-    s_smin = smin;
-    s_smax = smax;
-    s_lo = INT_MAX;
-    s_hi = -1;
     for (int i = 0; i < STAGES; ++i) {
       MbarInit(SmemAddr(&full_bar[i]), 128);  // the producer's threads
       MbarInit(SmemAddr(&empty_bar[i]), 8);   // lane 0 of each consumer warp
     }
   }
-  __syncthreads();
-  {
-    const int qmax = s_qmax, smin = s_smin, smax = s_smax;
-    int lo = INT_MAX, hi = -1;
-    for (int j = tid; j < nt; j += kWgThreads) {
-      const int4 st = stats[j];
-      if (st.x <= qmax && st.y <= smax && st.z >= smin) {
-        lo = min(lo, j);
-        hi = max(hi, j);
-      }
-    }
-    lo = WarpMin(lo);
-    hi = WarpMax(hi);
-    if (lane == 0) {
-      atomicMin(&s_lo, lo);
-      atomicMax(&s_hi, hi);
-    }
-  }
-  __syncthreads();
-  int t_lo = s_lo, t_hi = s_hi + 1;
-  if (t_hi <= t_lo) t_lo = t_hi = 0;  // no key visible to any of these rows
-  if (blockIdx.y == 0 && tid < BQ && row0 + tid < rows)
-    ranges[row0 + tid] = make_int2(t_lo * kBN, t_hi * kBN);
-  const int per = (t_hi - t_lo + int(gridDim.y) - 1) / int(gridDim.y);
-  const int j0 = t_lo + int(blockIdx.y) * per, j1 = min(t_hi, j0 + per);
+  // (CtaTileRange's barriers order the initialisation above before any use)
+  const int2 jr = CtaTileRange(row0, BQ, rows, q_pos, q_seg, stats, nt, ranges, kWgThreads);
+  const int j0 = jr.x, j1 = jr.y;
   if (j0 >= j1) return;  // uniform over the CTA
   const int n = j1 - j0;
 
