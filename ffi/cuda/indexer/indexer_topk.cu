@@ -74,6 +74,19 @@ __device__ __forceinline__ unsigned WarpInclusiveSum(unsigned v, int lane) {
   return v;
 }
 
+// One step of a reduce-scatter over the lane pairs (lane, lane ^ mask): of x[2N] the lane with the
+// mask bit set keeps the upper half, the other the lower, each added to its partner's copy.
+template <int N>
+__device__ __forceinline__ void ReduceScatterStep(const float (&x)[2 * N], float (&y)[N], int lane, int mask) {
+  const bool hi = lane & mask;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float send = hi ? x[i] : x[N + i];
+    const float keep = hi ? x[N + i] : x[i];
+    y[i] = keep + __shfl_xor_sync(kFull, send, mask);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // (1) Key-tile statistics: min position, min and max segment id of each 64-key tile.
 
@@ -299,35 +312,11 @@ ScoreKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict
       }
       // Reduce-scatter over the lane groups (lane bits 4, 3, 2).
       float v1[W0 / 2];
-      {
-        const bool hi = lane & 16;
-#pragma unroll
-        for (int i = 0; i < W0 / 2; ++i) {
-          const float send = hi ? v[i] : v[W0 / 2 + i];
-          const float keep = hi ? v[W0 / 2 + i] : v[i];
-          v1[i] = keep + __shfl_xor_sync(kFull, send, 16);
-        }
-      }
+      ReduceScatterStep<W0 / 2>(v, v1, lane, 16);
       float v2[W0 / 4];
-      {
-        const bool hi = lane & 8;
-#pragma unroll
-        for (int i = 0; i < W0 / 4; ++i) {
-          const float send = hi ? v1[i] : v1[W0 / 4 + i];
-          const float keep = hi ? v1[W0 / 4 + i] : v1[i];
-          v2[i] = keep + __shfl_xor_sync(kFull, send, 8);
-        }
-      }
+      ReduceScatterStep<W0 / 4>(v1, v2, lane, 8);
       float fv[WF];
-      {
-        const bool hi = lane & 4;
-#pragma unroll
-        for (int i = 0; i < WF; ++i) {
-          const float send = hi ? v2[i] : v2[WF + i];
-          const float keep = hi ? v2[WF + i] : v2[i];
-          fv[i] = keep + __shfl_xor_sync(kFull, send, 4);
-        }
-      }
+      ReduceScatterStep<WF>(v2, fv, lane, 4);
       if constexpr (G > 1) {
         if (g != 0) {
 #pragma unroll
@@ -625,25 +614,9 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
     // Reduce-scatter over the quad (lane bits 1, 0).
     constexpr int NV1 = NV / 2;
     float v1[NV1];
-    {
-      const bool hi = lane & 2;
-#pragma unroll
-      for (int i = 0; i < NV1; ++i) {
-        const float send = hi ? v[i] : v[NV1 + i];
-        const float keep = hi ? v[NV1 + i] : v[i];
-        v1[i] = keep + __shfl_xor_sync(kFull, send, 2);
-      }
-    }
+    ReduceScatterStep<NV1>(v, v1, lane, 2);
     float fv[NO];
-    {
-      const bool hi = lane & 1;
-#pragma unroll
-      for (int i = 0; i < NO; ++i) {
-        const float send = hi ? v1[i] : v1[NO + i];
-        const float keep = hi ? v1[NO + i] : v1[i];
-        fv[i] = keep + __shfl_xor_sync(kFull, send, 1);
-      }
-    }
+    ReduceScatterStep<NO>(v1, fv, lane, 1);
     if (my_ok) {
 #pragma unroll
       for (int m = 0; m < NO; ++m) {
