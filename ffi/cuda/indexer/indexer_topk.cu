@@ -811,6 +811,22 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   unsigned running = 0;        // keys == T seen in earlier tiles (ordered)
   unsigned s_cnt_reg = 0;      // RADIX: keys > T seen in earlier tiles
   int par = 0;
+  // Index-order scan of one count a thread over the block: (the lower threads' sum, the block's
+  // total). One barrier; wtot alternates between two buffers so that the next call's writes do
+  // not race this call's reads.
+  auto block_scan = [&](unsigned v) {
+    const unsigned incl = WarpInclusiveSum(v, lane);
+    if (lane == 31) wtot[par][warp] = incl;
+    __syncthreads();
+    unsigned before = 0, total = 0;
+    for (int q = 0; q < kWarps; ++q) {
+      const unsigned t = wtot[par][q];
+      before += q < warp ? t : 0u;
+      total += t;
+    }
+    par ^= 1;
+    return make_uint2(before + incl - v, total);
+  };
   if (kprime > 0) {
     sweep(false, [&](int i, const uint4& kk) {
       const unsigned kv[4] = {kk.x, kk.y, kk.z, kk.w};
@@ -827,17 +843,8 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
       if constexpr (RADIX) {
         // Both kinds in index order: one block scan of (count > T) | (count == T) << 16.
         const unsigned neq = __popc(eqm);
-        const unsigned packed = ngt | (neq << 16);
-        const unsigned incl = WarpInclusiveSum(packed, lane);
-        if (lane == 31) wtot[par][warp] = incl;
-        __syncthreads();
-        unsigned before = 0, tile_total = 0;
-        for (int q = 0; q < kWarps; ++q) {
-          const unsigned t = wtot[par][q];
-          before += q < warp ? t : 0u;
-          tile_total += t;
-        }
-        const unsigned excl = before + incl - packed;
+        const uint2 sc = block_scan(ngt | (neq << 16));
+        const unsigned excl = sc.x, tile_total = sc.y;
         unsigned slot = gt_base + s_cnt_reg + (excl & 0xffffu);
         unsigned rank = running + (excl >> 16);
 #pragma unroll
@@ -852,7 +859,6 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
         }
         s_cnt_reg += tile_total & 0xffffu;
         running += tile_total >> 16;
-        par ^= 1;
         return;
       }
       // Keys above the threshold: warp-aggregated slots.
@@ -871,17 +877,8 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
         }
       }
       if (ordered) {  // uniform
-        const unsigned neq = __popc(eqm);
-        const unsigned incl = WarpInclusiveSum(neq, lane);
-        if (lane == 31) wtot[par][warp] = incl;
-        __syncthreads();
-        unsigned before = 0, tile_total = 0;
-        for (int q = 0; q < kWarps; ++q) {
-          const unsigned t = wtot[par][q];
-          before += q < warp ? t : 0u;
-          tile_total += t;
-        }
-        unsigned rank = running + before + incl - neq;
+        const uint2 sc = block_scan(__popc(eqm));
+        unsigned rank = running + sc.x;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           if (eqm & (1u << c)) {
@@ -893,8 +890,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
             ++rank;
           }
         }
-        running += tile_total;
-        par ^= 1;
+        running += sc.y;
       }
     });
   }
