@@ -11,9 +11,13 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "sm90_wgmma.h"
+
 namespace jax_dsa {
 namespace indexer {
 namespace {
+
+using namespace sm90;  // NOLINT: the wgmma helpers
 
 constexpr int kD = kTopkHeadDim;
 constexpr int kBN = kTopkKeyTile;         // keys per tile
@@ -383,65 +387,6 @@ ScoreKernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict
 constexpr int kWgThreads = 384;
 constexpr int kWgQBytes = 128 * kD * 2;  // one consumer's q: 32 KiB
 
-__device__ __forceinline__ uint64_t WgDesc(uint32_t addr) {
-  // start >> 4, leading offset 16 B (unused with a swizzle), stride 1024 B (8 rows of 128 B),
-  // 128-byte swizzle.
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-
-__device__ __forceinline__ void WgFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void WgWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// d[64] (+)= A (64 x 16, K-major, from shared) * B (128 x 16, K-major)^T; scale_d 0 zeroes d.
-__device__ __forceinline__ void WgMma64x128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-
-// Keeps the compiler from moving accumulator reads or writes across a wgmma's issue or wait.
-__device__ __forceinline__ void WgFenceOperand(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra LAB_WAIT;\n}\n" ::"r"(bar), "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Byte offset of 16-byte chunk c (0..15) of row r in a K-major 128-byte-swizzled operand of
-// `rows` rows x 128 bf16 (two 64-column blocks).
-__device__ __forceinline__ uint32_t WgChunk(int r, int c, int rows) {
-  return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
 // KVSMEM: the producer also copies each tile's key positions and segment ids into the stage (one
 // 4-byte cp.async a thread), so that the consumers' visibility test reads shared memory instead of
 // waiting on global loads after each tile's wgmma.
@@ -568,7 +513,7 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const uint32_t off = (ks & 3) * 32;  // 16 columns = 32 bytes along the block
-      WgMma64x128(acc, WgDesc(kb + (ks >> 2) * (kBN * 128) + off),
+      WgMmaSS<0, 0>(acc, WgDesc(kb + (ks >> 2) * (kBN * 128) + off),
                   WgDesc(qdesc_base + (ks >> 2) * (128 * 128) + off), ks > 0);
     }
     WgCommit();
