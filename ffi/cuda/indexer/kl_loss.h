@@ -90,6 +90,9 @@ struct BwdArgs {
   float* d_ik;               // [NB * s_kv, 128] (zeroed here)
   float* d_w;                // [T, H_I]
   int64_t t, h_i, k, s_q, s_kv;
+  // 2: the wgmma kernel, S of the next tile overlapping the atomics (default); 1: the same without
+  // the overlap; 0: the mma.sync kernel (1 and 0 kept for A/B checks).
+  int variant = 2;
 };
 
 // Why the arguments cannot be launched (nullptr when they can): the static limits above.

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kl_loss.h"
+#include "sm90_wgmma.h"
 
 namespace cg = cooperative_groups;
 
@@ -678,6 +679,280 @@ __global__ void __launch_bounds__(kThreads, 2) KlBwdKernel(const BwdArgs a) {
   }
 }
 
+// Kernel B on wgmma (the default). One warpgroup per query row, slot tiles of 64 in a
+// kWgStages-deep cp.async ring; the row's index query iq [HI, 128] stays resident. Operands in the
+// 128-byte swizzle (sm90_wgmma.h), each tile's key rows ik [64, 128] read both K-major and M-major:
+//   (1) S^T = ik . iq^T        m64 nHI k16 x 8, both operands from shared memory
+//       G^T = dscore * w * (S > 0), rounded to bf16 in registers and stored [hi][slot]
+//   (3) U = G^T . iq           m64 n128 k16 x HI/16, A from registers (the layout of (1)'s
+//                              accumulator), B = iq read N-major
+//   (2) dQ^T += ik^T . G^T     2 x m64 nHI k16 x 4, A = ik read M-major
+// U is added to the slots' d_ik rows with red.v4 atomics; dQ^T and d_w stay in registers until the
+// row ends. Same products and bf16 rounding of G as KlBwdKernel; no ldmatrix traffic.
+constexpr int kWgThreads = 128;
+constexpr int kWgStages = 4;
+constexpr int kWgTileBytes = kBTile * kBRowBytes;  // 16 KiB
+
+template <int HI>
+struct BwdWgSmem {
+  unsigned char ik[kWgStages][kWgTileBytes];
+  unsigned char iq[HI * kBRowBytes];
+  unsigned char gs[HI * 128];  // G [hi][slot] bf16, one 64-column block
+  float w[HI];
+  float dw_red[4][HI];
+  int n_tiles;
+  int tiles[kMaxTiles];      // the tiles with at least one contributing slot
+  int flags[2 * kMaxTiles];  // whether each run of 32 slots has one
+  // then rows [k_pad] int32 and dscore [k_pad] float32 (dynamic)
+};
+
+template <int HI, bool PIPE>
+__global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
+  using namespace sm90;
+  constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
+  constexpr int KK = HI / 16;  // k16 steps of (3)
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle atoms (8 rows x 128 B) must start on 1024-byte boundaries.
+  unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
+  BwdWgSmem<HI>& sm = *reinterpret_cast<BwdWgSmem<HI>*>(base);
+  const int64_t k = a.k;
+  const int n_all = int((k + kBTile - 1) / kBTile);
+  const int k_pad = n_all * kBTile;
+  int* rows = reinterpret_cast<int*>(base + sizeof(BwdWgSmem<HI>));
+  float* ds = reinterpret_cast<float*>(rows + k_pad);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int r0 = 16 * warp + g;  // this thread's accumulator rows: r0, r0 + 8
+  const int64_t t = blockIdx.x;
+  const int64_t b = t / a.s_q;
+  const uint32_t s_iq = SmemU32(sm.iq), s_g = SmemU32(sm.gs), s_ik = SmemU32(sm.ik[0]);
+
+  for (int p = tid; p < HI * 16; p += kWgThreads) {  // iq[t], zero rows past H_I
+    const int r = p >> 4, c = p & 15;
+    const bool ok = r < a.h_i;
+    CpAsync16Zfill(s_iq + WgChunk(r, c, HI),
+                   a.iq + (t * a.h_i + (ok ? r : 0)) * kIndexHeadDim + c * 8, ok);
+  }
+  CpAsyncCommit();
+  if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
+  for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
+    int row = -1;
+    float d = 0.f;
+    if (j < k) {
+      const int i = a.idx[t * k + j];
+      d = a.dscore[t * k + j];
+      if (i >= 0 && i < a.s_kv && d != 0.f) row = int(b * a.s_kv + i);
+    }
+    rows[j] = row;
+    ds[j] = row >= 0 ? d : 0.f;
+    const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
+    if (lane == 0) sm.flags[j >> 5] = m != 0;
+  }
+  __syncthreads();
+  if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
+    const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
+    const unsigned m = __ballot_sync(0xffffffffu, act);
+    if (act) sm.tiles[__popc(m & ((1u << lane) - 1))] = lane;
+    if (lane == 0) sm.n_tiles = __popc(m);
+  }
+  __syncthreads();
+  const int n_act = sm.n_tiles;
+  float wv[NA / 2];  // w of heads 8 j + 2 q4 + e, index 2 j + e
+#pragma unroll
+  for (int j = 0; j < HI / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) wv[2 * j + e] = sm.w[8 * j + 2 * q4 + e];
+
+  auto load_tile = [&](int stage, int tile) {
+    const uint32_t dst = s_ik + stage * kWgTileBytes;
+#pragma unroll
+    for (int i = 0; i < (kBTile * 16) / kWgThreads; ++i) {
+      const int p = tid + i * kWgThreads;
+      const int r = p >> 4, c = p & 15;
+      const int row = rows[tile * kBTile + r];
+      // Zero rows for the tile's other slots: G is 0 there, and 0 * (stale NaN) would not be.
+      CpAsync16Zfill(dst + WgChunk(r, c, kBTile),
+                     a.ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + c * 8, row >= 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kWgStages - 1; ++s) {
+    if (s < n_act) load_tile(s, sm.tiles[s]);
+    CpAsyncCommit();
+  }
+
+  float acc_q[2][NA];  // dQ^T: dims 64 mb + r0 (+8) x heads 8 j + 2 q4 + e
+#pragma unroll
+  for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc_q[mb][i] = 0.f;
+  float dw[NA / 2];  // d_w partial sums of heads 8 j + 2 q4 + e, index 2 j + e
+#pragma unroll
+  for (int i = 0; i < NA / 2; ++i) dw[i] = 0.f;
+
+  auto stage_of = [&](int it) { return s_ik + (it % kWgStages) * kWgTileBytes; };
+  float acc_s[NA];  // (1): S^T [slot, hi]
+  auto issue_s = [&](int it) {
+    const uint32_t st = stage_of(it);
+    WgFenceOperand(acc_s);
+    WgFence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const uint32_t off = (ks >> 2) * (kBTile * 128) + (ks & 3) * 32;
+      const uint32_t off_q = (ks >> 2) * (HI * 128) + (ks & 3) * 32;
+      WgMmaSS<0, 0>(acc_s, WgDesc(st + off), WgDesc(s_iq + off_q), ks > 0);
+    }
+    WgCommit();
+    WgFenceOperand(acc_s);
+  };
+  // Tile it's copies landed (LAG younger groups may be pending) and are visible to the async
+  // proxy of every thread.
+  auto landed = [&]() {
+    CpAsyncWait<kWgStages - 2>();
+    FenceProxyAsync();
+    __syncthreads();
+  };
+  uint32_t ga[KK][4];  // (3)'s A fragments: k16 step kk = heads 16 kk..
+  // G^T = dscore * w * (S > 0) from S(it), to registers and to shared memory; d_w += dscore *
+  // relu(S). Ends with every thread's G stored.
+  auto make_g = [&](int it) {
+    const int j0 = sm.tiles[it] * kBTile;
+    WgFenceOperand(acc_s);
+    const float d_lo = ds[j0 + r0], d_hi = ds[j0 + r0 + 8];
+#pragma unroll
+    for (int j = 0; j < HI / 8; ++j) {
+      uint32_t pk[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float d = hr ? d_hi : d_lo;
+        const float x0 = acc_s[4 * j + 2 * hr], x1 = acc_s[4 * j + 2 * hr + 1];
+        dw[2 * j] += d * fmaxf(x0, 0.f);
+        dw[2 * j + 1] += d * fmaxf(x1, 0.f);
+        pk[hr] = PackBf16(x0 > 0.f ? d * wv[2 * j] : 0.f, x1 > 0.f ? d * wv[2 * j + 1] : 0.f);
+        // G [hi][slot]: heads 8 j + 2 q4 (+1), slot r0 + 8 hr.
+        const int sl = r0 + 8 * hr, hc = 8 * j + 2 * q4;
+        const uint32_t a0 = s_g + WgChunk(hc, sl >> 3, HI) + (sl & 7) * 2;
+        const uint32_t a1 = s_g + WgChunk(hc + 1, sl >> 3, HI) + (sl & 7) * 2;
+        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a0), "h"(uint16_t(pk[hr] & 0xFFFF)) : "memory");
+        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a1), "h"(uint16_t(pk[hr] >> 16)) : "memory");
+      }
+      ga[j >> 1][(j & 1) * 2] = pk[0];
+      ga[j >> 1][(j & 1) * 2 + 1] = pk[1];
+    }
+    FenceProxyAsync();
+    __syncthreads();  // all of G stored before (2) reads it
+  };
+  float acc_u[64];  // (3): U [slot, d]
+  auto issue_uq = [&](int it) {
+    const uint32_t st = stage_of(it);
+    WgFenceOperand(acc_u);
+    WgFence();
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk)
+      WgMmaRS<1>(acc_u, ga[kk], WgDescMN(s_iq + kk * 2048, HI * 128), kk > 0);
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        WgMmaSS<1, 0>(acc_q[mb], WgDescMN(st + mb * (kBTile * 128) + ks * 2048, kBTile * 128),
+                      WgDesc(s_g + ks * 32), 1);
+    WgCommit();
+    WgFenceOperand(acc_u);
+  };
+  // U rows into d_ik: lane pairs swap halves so that each adds 4 consecutive floats of a row.
+  auto add_u = [&](int it) {
+    WgFenceOperand(acc_u);
+    WgFenceOperand(acc_q[0]);
+    WgFenceOperand(acc_q[1]);
+    const int j0 = sm.tiles[it] * kBTile;
+    const bool even = (q4 & 1) == 0;
+    const int row = rows[j0 + r0 + (even ? 0 : 8)];
+    float* dst = a.d_ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + 2 * (q4 & ~1);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float s0 = even ? acc_u[4 * j + 2] : acc_u[4 * j];
+      const float s1 = even ? acc_u[4 * j + 3] : acc_u[4 * j + 1];
+      const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+      const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+      if (row >= 0) {
+        if (even)
+          RedAddV4(dst + 8 * j, acc_u[4 * j], acc_u[4 * j + 1], x0, x1);
+        else
+          RedAddV4(dst + 8 * j, x0, x1, acc_u[4 * j + 2], acc_u[4 * j + 3]);
+      }
+    }
+  };
+  // The next copy: tile it + kWgStages - 1 into the stage that tile it - 1 used (free once every
+  // thread passed the barrier after that tile's last wgmma wait).
+  auto refill = [&](int it) {
+    if (it + kWgStages - 1 < n_act)
+      load_tile((it + kWgStages - 1) % kWgStages, sm.tiles[it + kWgStages - 1]);
+    CpAsyncCommit();
+  };
+
+  if constexpr (!PIPE) {
+    for (int it = 0; it < n_act; ++it) {
+      landed();
+      refill(it);
+      issue_s(it);
+      WgWait<0>();
+      make_g(it);
+      issue_uq(it);
+      WgWait<0>();
+      add_u(it);
+    }
+  } else if (n_act > 0) {
+    // S of tile it + 1 is issued before tile it's atomics, so that they overlap; no branch
+    // between a wgmma's issue and its wait.
+    landed();
+    issue_s(0);
+    int it = 0;
+    for (; it + 1 < n_act; ++it) {
+      WgWait<0>();     // S(it)
+      __syncthreads();  // every thread's wgmmas of tile it - 1 are done: its stage and G are free
+      refill(it);
+      make_g(it);
+      issue_uq(it);
+      landed();        // tile it + 1 (the copy group of tile it + 1 is the third youngest)
+      issue_s(it + 1);
+      WgWait<1>();     // U(it) and dQ(it)
+      add_u(it);
+    }
+    WgWait<0>();
+    __syncthreads();
+    refill(it);
+    make_g(it);
+    issue_uq(it);
+    WgWait<0>();
+    add_u(it);
+  }
+  CpAsyncWait<0>();
+
+  // d_iq[t, hi, d] from dQ^T.
+#pragma unroll
+  for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+    for (int j = 0; j < HI / 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int hi = 8 * j + 2 * q4 + e, d = 64 * mb + r0 + 8 * hr;
+          if (hi < a.h_i) a.d_iq[(t * a.h_i + hi) * kIndexHeadDim + d] = acc_q[mb][4 * j + 2 * hr + e];
+        }
+  // d_w: sum over the 8 row groups of a warp, then over the 4 warps.
+#pragma unroll
+  for (int i = 0; i < NA / 2; ++i) {
+    float v = dw[i];
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    if (g == 0) sm.dw_red[warp][8 * (i >> 1) + 2 * q4 + (i & 1)] = v;
+  }
+  __syncthreads();
+  if (tid < a.h_i) a.d_w[t * a.h_i + tid] = sm.dw_red[0][tid] + sm.dw_red[1][tid] + sm.dw_red[2][tid] + sm.dw_red[3][tid];
+}
+
 int FwdClusters(int64_t k) { return int((k + kSlotsPerCta - 1) / kSlotsPerCta); }
 
 template <int HI>
@@ -693,6 +968,17 @@ cudaError_t LaunchBwdHi(const BwdArgs& a, cudaStream_t stream) {
                                        int(smem));
   if (e != cudaSuccess) return e;
   KlBwdKernel<HI><<<dim3(unsigned(a.t)), kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int HI, bool PIPE>
+cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
+  const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
+  const size_t smem = sizeof(BwdWgSmem<HI>) + size_t(k_pad) * 8 + 1024;  // + alignment slack
+  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  KlBwdKernelWg<HI, PIPE><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -758,7 +1044,10 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   const size_t bytes = size_t(a.t / a.s_q) * size_t(a.s_kv) * kIndexHeadDim * sizeof(float);
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
-  return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
+  if (a.variant == 0) return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
+  if (a.variant == 1)
+    return a.h_i <= 32 ? LaunchBwdWgHi<32, false>(a, stream) : LaunchBwdWgHi<64, false>(a, stream);
+  return a.h_i <= 32 ? LaunchBwdWgHi<32, true>(a, stream) : LaunchBwdWgHi<64, true>(a, stream);
 }
 
 }  // namespace indexer_kl

@@ -1,47 +1,212 @@
-// Standalone check of the KL-loss launch code without XLA, for compute-sanitizer (development
-// only; JAX_DSA_INDEXER_SELFTEST=ON builds it): random inputs, both kernels, every error checked.
-//   compute-sanitizer --tool memcheck ./kl_loss_selftest; compute-sanitizer --tool racecheck ./kl_loss_selftest
+// Standalone check of the KL-loss launch code without XLA, for compute-sanitizer and A/B timing
+// (development only; JAX_DSA_INDEXER_SELFTEST=ON builds it): random inputs, both kernels, every
+// error checked; the backward's variants (0: mma.sync, 1: wgmma, 2: wgmma with S of the next tile
+// overlapping the atomics) against a float64 reference.
+//   ./kl_loss_selftest                      the cases below (exit status 1 on a failure)
+//   ./kl_loss_selftest --bench [S]          backward variants at S = S_q = S_kv (default 16384),
+//                                           32 index heads, K 2048: CUDA-event medians of 10
+//   compute-sanitizer --tool memcheck ./kl_loss_selftest; ... --tool racecheck ...
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
+#include <cstring>
 #include <random>
-#include <cuda_bf16.h>
+#include <vector>
+
 #include "kl_loss.h"
 using namespace jax_dsa::indexer_kl;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("FAIL %s: %s at %s:%d\n", #x, cudaGetErrorString(e), __FILE__, __LINE__); exit(1);} } while (0)
-template <typename T> T* up(const std::vector<T>& v) { T* p; CK(cudaMalloc(&p, v.size() * sizeof(T) + 16)); CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice)); return p; }
+#define CK(x)                                                                                    \
+  do {                                                                                           \
+    cudaError_t e = (x);                                                                         \
+    if (e != cudaSuccess) {                                                                      \
+      printf("FAIL %s: %s at %s:%d\n", #x, cudaGetErrorString(e), __FILE__, __LINE__);          \
+      exit(1);                                                                                   \
+    }                                                                                            \
+  } while (0)
+
+template <typename T>
+T* up(const std::vector<T>& v) {
+  T* p;
+  CK(cudaMalloc(&p, v.size() * sizeof(T) + 16));
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+template <typename T>
+std::vector<T> down(const T* p, size_t n) {
+  std::vector<T> v(n);
+  CK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+double RelL2(const std::vector<float>& x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int seed) {
-  std::mt19937 g(seed); std::normal_distribution<float> n; std::uniform_real_distribution<float> u;
-  int64_t t = int64_t(nb) * s_q, nkv = int64_t(nb) * s_kv;
-  auto bf = [&](size_t cnt) { std::vector<__nv_bfloat16> v(cnt); for (auto& x : v) x = __float2bfloat16(n(g)); return v; };
+  std::mt19937 g(seed);
+  std::normal_distribution<float> n;
+  std::uniform_real_distribution<float> u;
+  const int64_t t = int64_t(nb) * s_q, nkv = int64_t(nb) * s_kv;
+  auto bf = [&](size_t cnt) {
+    std::vector<__nv_bfloat16> v(cnt);
+    for (auto& x : v) x = __float2bfloat16(n(g));
+    return v;
+  };
   auto q = bf(t * h * d), kv = bf(nkv * d), iq = bf(t * h_i * 128), ik = bf(nkv * 128);
-  std::vector<float> w(t * h_i); for (auto& x : w) x = n(g) * 0.01f;
+  std::vector<float> w(t * h_i);
+  for (auto& x : w) x = n(g) * 0.01f;
   std::vector<int> idx(t * k), qp(t), kp(nkv), qs(t), ks(nkv);
-  for (int64_t i = 0; i < t; ++i) { qp[i] = (i % s_q) + (s_kv - s_q); qs[i] = qp[i] > s_kv / 2; }
-  for (int64_t i = 0; i < nkv; ++i) { kp[i] = i % s_kv; ks[i] = kp[i] > s_kv / 2; }
-  for (int64_t i = 0; i < t * k; ++i) { float r = u(g); idx[i] = r < 0.1f ? -1 : (r < 0.12f ? s_kv + 2 : int(u(g) * s_kv)); }
+  for (int64_t i = 0; i < t; ++i) {
+    qp[i] = (i % s_q) + (s_kv - s_q);
+    qs[i] = qp[i] > s_kv / 2;
+  }
+  for (int64_t i = 0; i < nkv; ++i) {
+    kp[i] = i % s_kv;
+    ks[i] = kp[i] > s_kv / 2;
+  }
+  for (int64_t i = 0; i < t * k; ++i) {  // -1, out of range, duplicates
+    const float r = u(g);
+    idx[i] = r < 0.1f ? -1 : (r < 0.12f ? s_kv + 2 : int(u(g) * s_kv));
+  }
   for (int j = 0; j < k; ++j) idx[j] = -1;  // row 0 empty
-  std::vector<float> ds(t * k); for (auto& x : ds) x = n(g) * 1e-3f;
-  FwdArgs a{up(q), up(kv), up(iq), up(ik), up(w), up(idx), up(qp), up(kp), seg ? up(qs) : nullptr, seg ? up(ks) : nullptr,
-            nullptr, nullptr, t, h, d, h_i, k, s_q, s_kv, 0.05f};
-  int64_t groups = (h + 63) / 64;
-  CK(cudaMalloc(&a.mass, groups * t * k * 4)); CK(cudaMalloc(&a.score, t * k * 4));
-  if (const char* why = FwdUnsupported(a)) { printf("unsupported: %s\n", why); return 1; }
-  CK(LaunchFwd(a, 0)); CK(cudaDeviceSynchronize());
-  BwdArgs b{a.iq, a.ik, a.w, a.idx, up(ds), nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
-  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4)); CK(cudaMalloc(&b.d_ik, nkv * 128 * 4)); CK(cudaMalloc(&b.d_w, t * h_i * 4));
-  if (const char* why = BwdUnsupported(b)) { printf("unsupported: %s\n", why); return 1; }
-  CK(LaunchBwd(b, 0)); CK(cudaDeviceSynchronize());
-  std::vector<float> m(groups * t * k); CK(cudaMemcpy(m.data(), a.mass, m.size() * 4, cudaMemcpyDeviceToHost));
-  double s = 0; for (int64_t i = 0; i < t * k; ++i) s += m[i];
-  printf("case nb=%d s_q=%d s_kv=%d h=%d d=%d h_i=%d k=%d seg=%d: mass sum (group 0) %.3f over %lld rows\n", nb, s_q, s_kv, h, d, h_i, k, int(seg), s, (long long)t);
+  std::vector<float> ds(t * k);
+  for (auto& x : ds) x = n(g) * 1e-3f;
+  FwdArgs a{up(q), up(kv), up(iq), up(ik), up(w), up(idx), up(qp), up(kp), seg ? up(qs) : nullptr,
+            seg ? up(ks) : nullptr, nullptr, nullptr, t, h, d, h_i, k, s_q, s_kv, 0.05f};
+  const int64_t groups = (h + 63) / 64;
+  CK(cudaMalloc(&a.mass, groups * t * k * 4));
+  CK(cudaMalloc(&a.score, t * k * 4));
+  if (const char* why = FwdUnsupported(a)) {
+    printf("unsupported: %s\n", why);
+    return 1;
+  }
+  CK(LaunchFwd(a, 0));
+  CK(cudaDeviceSynchronize());
+  std::vector<float> m = down(a.mass, size_t(t * k));
+  double msum = 0;
+  for (float x : m) msum += x;
+
+  // Backward reference in float64 (G unrounded).
+  std::vector<double> r_iq(t * h_i * 128, 0.0), r_ik(nkv * 128, 0.0), r_w(t * h_i, 0.0);
+  auto f = [](__nv_bfloat16 x) { return double(__bfloat162float(x)); };
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t bb = r / s_q;
+    for (int j = 0; j < k; ++j) {
+      const int i = idx[r * k + j];
+      const double dd = ds[r * k + j];
+      if (i < 0 || i >= s_kv || dd == 0.0) continue;
+      const int64_t row = bb * s_kv + i;
+      for (int hh = 0; hh < h_i; ++hh) {
+        double s = 0;
+        for (int c = 0; c < 128; ++c) s += f(iq[(r * h_i + hh) * 128 + c]) * f(ik[row * 128 + c]);
+        r_w[r * h_i + hh] += dd * std::max(s, 0.0);
+        if (s <= 0) continue;
+        const double gg = dd * w[r * h_i + hh];
+        for (int c = 0; c < 128; ++c) {
+          r_iq[(r * h_i + hh) * 128 + c] += gg * f(ik[row * 128 + c]);
+          r_ik[row * 128 + c] += gg * f(iq[(r * h_i + hh) * 128 + c]);
+        }
+      }
+    }
+  }
+  int bad = 0;
+  float* dsp = up(ds);
+  for (int variant = 0; variant < 3; ++variant) {
+    BwdArgs b{a.iq, a.ik, a.w, a.idx, dsp, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
+    b.variant = variant;
+    CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
+    CK(cudaMalloc(&b.d_ik, nkv * 128 * 4));
+    CK(cudaMalloc(&b.d_w, t * h_i * 4));
+    CK(cudaMemset(b.d_iq, 0xFF, t * h_i * 128 * 4));  // poison: NaN
+    CK(cudaMemset(b.d_w, 0xFF, t * h_i * 4));
+    if (const char* why = BwdUnsupported(b)) {
+      printf("unsupported: %s\n", why);
+      return 1;
+    }
+    CK(LaunchBwd(b, 0));
+    CK(cudaDeviceSynchronize());
+    const double e_iq = RelL2(down(b.d_iq, size_t(t * h_i * 128)), r_iq);
+    const double e_ik = RelL2(down(b.d_ik, size_t(nkv * 128)), r_ik);
+    const double e_w = RelL2(down(b.d_w, size_t(t * h_i)), r_w);
+    const bool ok = e_iq < 1e-2 && e_ik < 1e-2 && e_w < 1e-2;  // std::isnan fails the < tests
+    bad |= !ok;
+    printf("  bwd variant %d: rel L2 d_iq %.2e d_ik %.2e d_w %.2e %s\n", variant, e_iq, e_ik, e_w,
+           ok ? "ok" : "FAIL");
+    CK(cudaFree(b.d_iq));
+    CK(cudaFree(b.d_ik));
+    CK(cudaFree(b.d_w));
+  }
+  printf("case nb=%d s_q=%d s_kv=%d h=%d d=%d h_i=%d k=%d seg=%d: mass sum (group 0) %.3f over %lld rows\n",
+         nb, s_q, s_kv, h, d, h_i, k, int(seg), msum, (long long)t);
+  return bad;
+}
+
+// Backward timing at GLM-5's indexer shape: row t selects min(t + 1, k) random keys of [0, t].
+int bench(int s, int h_i, int k) {
+  std::mt19937 g(7);
+  std::normal_distribution<float> n;
+  const int64_t t = s;
+  std::vector<__nv_bfloat16> iq(t * h_i * 128), ik(t * 128);
+  for (auto& x : iq) x = __float2bfloat16(n(g));
+  for (auto& x : ik) x = __float2bfloat16(n(g));
+  std::vector<float> w(t * h_i), ds(t * k, 0.f);
+  for (auto& x : w) x = n(g) * 0.01f;
+  std::vector<int> idx(t * k, -1);
+  for (int64_t r = 0; r < t; ++r) {
+    const int valid = int(std::min<int64_t>(r + 1, k));
+    for (int j = 0; j < valid; ++j) {
+      idx[r * k + j] = valid == r + 1 ? j : int(g() % uint32_t(r + 1));
+      ds[r * k + j] = n(g) * 1e-3f;
+    }
+  }
+  BwdArgs b{up(iq), up(ik), up(w), up(idx), up(ds), nullptr, nullptr, nullptr, t, h_i, k, s, s};
+  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
+  CK(cudaMalloc(&b.d_ik, t * 128 * 4));
+  CK(cudaMalloc(&b.d_w, t * h_i * 4));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms[3];
+  for (int rep = 0; rep < 12; ++rep)
+    for (int variant = 0; variant < 3; ++variant) {
+      b.variant = variant;
+      CK(cudaEventRecord(e0));
+      CK(LaunchBwd(b, 0));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float x;
+      CK(cudaEventElapsedTime(&x, e0, e1));
+      if (rep >= 2) ms[variant].push_back(x);
+    }
+  const double flop = 3.0 * 2 * 32 * 128;  // per (row, slot), H_I padded to 32 or 64 not counted
+  double pairs = 0;
+  for (int64_t r = 0; r < t; ++r) pairs += std::min<int64_t>(r + 1, k);
+  for (int variant = 0; variant < 3; ++variant) {
+    std::sort(ms[variant].begin(), ms[variant].end());
+    const double med = ms[variant][ms[variant].size() / 2];
+    printf("bench S=%d h_i=%d k=%d bwd variant %d: median %.3f ms (min %.3f), %.0f TFLOP/s\n", s,
+           h_i, k, variant, med, ms[variant][0], flop * h_i / 32 * pairs / med * 1e-9);
+  }
   return 0;
 }
-int main() {
+
+int main(int argc, char** argv) {
+  if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
+    const int s = argc > 2 ? atoi(argv[2]) : 16384;
+    return bench(s, 32, 2048) | bench(s, 64, 2048);
+  }
   int r = 0;
   r |= run(2, 37, 50, 80, 512, 5, 300, true, 1);
   r |= run(1, 9, 3000, 64, 576, 32, 2048, false, 2);
   r |= run(1, 11, 11, 16, 576, 64, 37, true, 3);
+  r |= run(2, 70, 700, 64, 576, 32, 1000, false, 4);
   printf(r ? "harness FAILED\n" : "harness ok\n");
   return r;
 }
