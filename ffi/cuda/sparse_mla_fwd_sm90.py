@@ -165,6 +165,19 @@ def _ex2(a: Float32, *, loc=None, ip=None) -> Float32:
         loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _ldmatrix_x4(smem_addr: Int32, *, loc=None, ip=None):
+    """ldmatrix .x4: four 8x8 b16 matrices (rows addressed by lanes 0-7, 8-15, 16-23, 24-31) as
+    four 32-bit words, the m16 k16 A fragment of an MMA in word order."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+        [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
 def _tree_max(vals):
     """fmax of a list of values as a balanced tree (dependent depth log2 n, not n)."""
     vals = list(vals)
@@ -252,6 +265,12 @@ class SparseMlaFwdSm90:
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, HALF),
             a_source=warpgroup.OperandSource.RMEM)
+        if const_expr(self.target):
+            # target mode has no P V: its S = Q K^T takes Q from registers (see _consumer_target)
+            mma_rs = sm90_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_M, TILE_N),
+                a_source=warpgroup.OperandSource.RMEM)
         sQ_layout = _smem_layout((TILE_M, d))
         sK_layout = _smem_layout((TILE_N, d))
         sV_layout = _smem_layout((TILE_N, D_V))
@@ -476,7 +495,7 @@ class SparseMlaFwdSm90:
                     if wg == w:
                         self._consumer_target(
                             w, tidx % 128, tidx % 32, bidx, n_ctas, n_tiles, k_slots, sm_scale,
-                            mLen, mOut, mLse, mma_s, sQ, sK, sValid,
+                            mLen, mOut, mLse, mma_rs, st.sQ.data_ptr().toint(), sK, sValid,
                             [st.row_sum.data_ptr(), st.true_max.data_ptr()], full_own,
                             full_rest, empty_own, empty_rest, q_full, q_empty)
                 elif wg == w:
@@ -641,10 +660,13 @@ class SparseMlaFwdSm90:
     def _consumer_target(self, w: cutlass.Constexpr[int], wtid: Int32, lane: Int32, bidx: Int32,
                          n_ctas: Int32, n_tiles: Int32, k_slots: Int32, sm_scale: Float32,
                          mLen: cute.Tensor, mMass: cute.Tensor, mLse: cute.Tensor,
-                         mma_s: cute.TiledMma, sQ, sK, sValid: cute.Tensor, red_ptrs, full_own,
-                         full_rest, empty_own, empty_rest, q_full, q_empty):
+                         mma_s: cute.TiledMma, q_smem: Int32, sK, sValid: cute.Tensor, red_ptrs,
+                         full_own, full_rest, empty_own, empty_rest, q_full, q_empty):
         """Target mode (see the class docstring): WG w takes the blocks n = w, w + 2, ... of each
-        tile: S = Q K_n^T over all of D_qk, p = exp2(S * sm_scale * log2 e - lse * log2 e) with
+        tile: S = Q K_n^T over all of D_qk with Q in registers (loaded once a tile, so that the
+        wgmma reads only K from shared memory: with Q read from shared memory too, each block's
+        S reads 2 x 72 KiB there for 4.7 MFLOP, which bounds it below the tensor-core rate),
+        p = exp2(S * sm_scale * log2 e - lse * log2 e) with
         invalid slots 0, the stage handed back, then each slot's sum over the 64 heads: over
         the thread's two rows, the 8 lanes that share its columns (shuffles), and the WG's four
         warps (shared memory, one 128-thread named barrier on each side)."""
@@ -652,8 +674,16 @@ class SparseMlaFwdSm90:
         h = self.h
         scale_log2 = sm_scale * LOG2E
         thr_s = mma_s.get_slice(wtid)
-        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
         tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[w]))
+        # Q as the register A operand: k step k is elements 8k..8k+7 (words 4k..4k+3), the m16 k16
+        # fragment of the thread's warp (heads 16 warp..) that one ldmatrix .x4 returns.
+        n_k = d // 16
+        rQ = cute.make_rmem_tensor(
+            cute.make_layout(((2, 2, 2), 1, n_k), stride=((1, 2, 4), 0, 8)), BFloat16)
+        rQ_words = cute.make_tensor(cute.recast_ptr(rQ.iterator, dtype=Int32),
+                                    cute.make_layout((4, n_k), stride=(1, 4)))
+        q_row = 16 * (wtid // 32) + lane % 16  # the row and column half this lane addresses
+        q_col = 8 * (lane // 16)
         cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((TILE_M, TILE_N)), Float32)
         n_s = cute.size(acc_s)
@@ -679,19 +709,20 @@ class SparseMlaFwdSm90:
             for r in cutlass.range_constexpr(2):
                 lse2[r] = mLse[s, h0 + rows[r]] * LOG2E
             cute.arch.mbarrier_wait(q_full, ti % 2)
-            if n_own == 0 and lane == 0:
-                cute.arch.mbarrier_arrive(q_empty, arrive_count=32)
+            for k in cutlass.range_constexpr(n_k):
+                words = _ldmatrix_x4(q_smem + _swizzled_byte_offset(q_row, 16 * k + q_col, TILE_M))
+                for i in cutlass.range_constexpr(4):
+                    rQ_words[i, k] = words[i]
+            cute.arch.mbarrier_arrive(q_empty)  # Q is in registers: the room is the producer's
             for it in cutlass.range(n_own, unroll=1):
                 ph = (uses[0] + it) % 2
                 cute.arch.mbarrier_wait(full_own + w, ph)
                 cute.arch.mbarrier_wait(full_rest + w, ph)
                 cute.arch.fence_view_async_shared()
                 warpgroup.fence()
-                self._mma(mma_s, acc_s, tSrQ, tSrK, steps, True)
+                self._mma(mma_s, acc_s, rQ, tSrK, steps, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if it == n_own - 1:
-                    cute.arch.mbarrier_arrive(q_empty)  # this WG's last S of the tile is done
                 for c in cutlass.range_constexpr(n_cols):
                     i0 = (c // 2) * 4 + c % 2  # rows r0 and r0 + 8 of this column
                     p0 = _ex2(acc_s[i0] * scale_log2 - lse2[0])
