@@ -439,6 +439,18 @@ constexpr int kBStages = 3;
 constexpr int kBRowBytes = kIndexHeadDim * 2;
 constexpr int kMaxTiles = kMaxTopk / kBTile;
 
+// Slot j of row t (batch element b): its key row, or -1 when it adds nothing (j past K, an index
+// outside [0, s_kv), dscore 0); d its dscore (0 for -1).
+__device__ __forceinline__ int BwdSlot(const BwdArgs& a, int64_t t, int64_t b, int j, float& d) {
+  d = 0.f;
+  if (j >= a.k) return -1;
+  const int i = a.idx[t * a.k + j];
+  const float x = a.dscore[t * a.k + j];
+  if (i < 0 || i >= a.s_kv || x == 0.f) return -1;
+  d = x;
+  return int(b * a.s_kv + i);
+}
+
 template <int HI>
 struct BwdSmem {
   alignas(128) unsigned char ik[kBStages][kBTile * kBRowBytes];
@@ -491,15 +503,10 @@ __global__ void __launch_bounds__(kThreads, 2) KlBwdKernel(const BwdArgs a) {
   if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
   __syncthreads();
   for (int j = tid; j < k_pad; j += kThreads) {
-    int row = -1;
-    float d = 0.f;
-    if (j < k) {
-      const int i = a.idx[t * k + j];
-      d = a.dscore[t * k + j];
-      if (i >= 0 && i < a.s_kv && d != 0.f) row = int(b * a.s_kv + i);
-    }
+    float d;
+    const int row = BwdSlot(a, t, b, j, d);
     rows[j] = row;
-    ds[j] = row >= 0 ? d : 0.f;
+    ds[j] = d;
     if (row >= 0) sm.tiles[j / kBTile] = 1;  // benign race: every writer stores 1
   }
   __syncthreads();
@@ -736,15 +743,10 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
   CpAsyncCommit();
   if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
   for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
-    int row = -1;
-    float d = 0.f;
-    if (j < k) {
-      const int i = a.idx[t * k + j];
-      d = a.dscore[t * k + j];
-      if (i >= 0 && i < a.s_kv && d != 0.f) row = int(b * a.s_kv + i);
-    }
+    float d;
+    const int row = BwdSlot(a, t, b, j, d);
     rows[j] = row;
-    ds[j] = row >= 0 ? d : 0.f;
+    ds[j] = d;
     const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
     if (lane == 0) sm.flags[j >> 5] = m != 0;
   }
