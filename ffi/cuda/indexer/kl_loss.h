@@ -90,9 +90,11 @@ struct BwdArgs {
   float* d_ik;               // [NB * s_kv, 128] (zeroed here)
   float* d_w;                // [T, H_I]
   int64_t t, h_i, k, s_q, s_kv;
-  // 2: the wgmma kernel, S of the next tile overlapping the atomics (default); 1: the same without
-  // the overlap; 0: the mma.sync kernel (1 and 0 kept for A/B checks).
-  int variant = 2;
+  // -1 (default): 3 for H_I <= 32, else 2. 3: the wgmma kernel with d_ik added by 512-byte bulk
+  // reductions from shared memory (3 stages, two CTAs an SM at H_I 32, one at 64); 2: the same
+  // with red.v4 atomics and 4 stages; 1: 2 without S of the next tile during the atomics; 0: the
+  // mma.sync kernel. 0-3 are selectable for A/B checks (kl_loss_selftest).
+  int variant = -1;
 };
 
 // Why the arguments cannot be launched (nullptr when they can): the static limits above.

@@ -85,6 +85,18 @@ __device__ __forceinline__ void RedAddV4(float* p, float a, float b, float c, fl
                : "memory");
 }
 
+// d[0 .. bytes) += s[0 .. bytes) in fp32 by the bulk-copy engine (asynchronous; bulk group).
+__device__ __forceinline__ void BulkReduceAddF32(float* d, uint32_t s, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(d),
+               "r"(s), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk operations have read their shared-memory sources.
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void ClusterArrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -687,24 +699,28 @@ __global__ void __launch_bounds__(kThreads, 2) KlBwdKernel(const BwdArgs a) {
 }
 
 // Kernel B on wgmma (the default). One warpgroup per query row, slot tiles of 64 in a
-// kWgStages-deep cp.async ring; the row's index query iq [HI, 128] stays resident. Operands in the
+// 3- or 4-stage cp.async ring; the row's index query iq [HI, 128] stays resident. Operands in the
 // 128-byte swizzle (sm90_wgmma.h), each tile's key rows ik [64, 128] read both K-major and M-major:
 //   (1) S^T = ik . iq^T        m64 nHI k16 x 8, both operands from shared memory
 //       G^T = dscore * w * (S > 0), rounded to bf16 in registers and stored [hi][slot]
 //   (3) U = G^T . iq           m64 n128 k16 x HI/16, A from registers (the layout of (1)'s
 //                              accumulator), B = iq read N-major
 //   (2) dQ^T += ik^T . G^T     2 x m64 nHI k16 x 4, A = ik read M-major
-// U is added to the slots' d_ik rows with red.v4 atomics; dQ^T and d_w stay in registers until the
-// row ends. Same products and bf16 rounding of G as KlBwdKernel; no ldmatrix traffic.
+// U is added to the slots' d_ik rows, by red.v4 atomics or (BULK) staged in shared memory and sent
+// as one 512-byte bulk reduction a row: at 16K the BULK kernel takes 5.7 ms against 7.4 (the same
+// bytes, a quarter of the L2 requests; benchmarks/NOTES.md). dQ^T and d_w stay in registers until
+// the row ends. Same products and bf16 rounding of G as KlBwdKernel; no ldmatrix traffic.
 constexpr int kWgThreads = 128;
-constexpr int kWgStages = 4;
 constexpr int kWgTileBytes = kBTile * kBRowBytes;  // 16 KiB
 
-template <int HI>
+constexpr int kUbStride = 132;  // floats a staged U row: 512 bytes + 16 (conflict-free stores)
+
+template <int HI, int STAGES, bool BULK>
 struct BwdWgSmem {
-  unsigned char ik[kWgStages][kWgTileBytes];
+  unsigned char ik[STAGES][kWgTileBytes];
   unsigned char iq[HI * kBRowBytes];
   unsigned char gs[HI * 128];  // G [hi][slot] bf16, one 64-column block
+  float ub[BULK ? kBTile * kUbStride : 4];  // BULK: U staged for the bulk reductions
   float w[HI];
   float dw_red[4][HI];
   int n_tiles;
@@ -713,19 +729,20 @@ struct BwdWgSmem {
   // then rows [k_pad] int32 and dscore [k_pad] float32 (dynamic)
 };
 
-template <int HI, bool PIPE>
+template <int HI, bool PIPE, bool BULK>
 __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
   using namespace sm90;
+  constexpr int kWgStages = BULK ? 3 : 4;  // BULK: U's staging takes a stage's room
   constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
   constexpr int KK = HI / 16;  // k16 steps of (3)
   extern __shared__ unsigned char smem_raw[];
   // The swizzle atoms (8 rows x 128 B) must start on 1024-byte boundaries.
   unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
-  BwdWgSmem<HI>& sm = *reinterpret_cast<BwdWgSmem<HI>*>(base);
+  BwdWgSmem<HI, kWgStages, BULK>& sm = *reinterpret_cast<BwdWgSmem<HI, kWgStages, BULK>*>(base);
   const int64_t k = a.k;
   const int n_all = int((k + kBTile - 1) / kBTile);
   const int k_pad = n_all * kBTile;
-  int* rows = reinterpret_cast<int*>(base + sizeof(BwdWgSmem<HI>));
+  int* rows = reinterpret_cast<int*>(base + sizeof(BwdWgSmem<HI, kWgStages, BULK>));
   float* ds = reinterpret_cast<float*>(rows + k_pad);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
@@ -861,26 +878,48 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     WgCommit();
     WgFenceOperand(acc_u);
   };
-  // U rows into d_ik: lane pairs swap halves so that each adds 4 consecutive floats of a row.
+  // U rows into d_ik. Without BULK, lane pairs swap halves so that each adds 4 consecutive floats
+  // of a row with red.v4; with it, U is staged in shared memory and each valid row goes to L2 as
+  // one 512-byte bulk reduction (cp.reduce.async.bulk .add.f32).
   auto add_u = [&](int it) {
     WgFenceOperand(acc_u);
     WgFenceOperand(acc_q[0]);
     WgFenceOperand(acc_q[1]);
     const int j0 = sm.tiles[it] * kBTile;
-    const bool even = (q4 & 1) == 0;
-    const int row = rows[j0 + r0 + (even ? 0 : 8)];
-    float* dst = a.d_ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + 2 * (q4 & ~1);
+    if constexpr (BULK) {
+      if (tid < kBTile) BulkWaitRead();  // the previous tile's reductions have read the staging
+      __syncthreads();
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float s0 = even ? acc_u[4 * j + 2] : acc_u[4 * j];
-      const float s1 = even ? acc_u[4 * j + 3] : acc_u[4 * j + 1];
-      const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-      const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-      if (row >= 0) {
-        if (even)
-          RedAddV4(dst + 8 * j, acc_u[4 * j], acc_u[4 * j + 1], x0, x1);
-        else
-          RedAddV4(dst + 8 * j, x0, x1, acc_u[4 * j + 2], acc_u[4 * j + 3]);
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<float2*>(&sm.ub[(r0 + 8 * hr) * kUbStride + 8 * j + 2 * q4]) =
+              make_float2(acc_u[4 * j + 2 * hr], acc_u[4 * j + 2 * hr + 1]);
+      FenceProxyAsync();
+      __syncthreads();
+      if (tid < kBTile) {
+        const int row = rows[j0 + tid];
+        if (row >= 0)
+          BulkReduceAddF32(a.d_ik + int64_t(row) * kIndexHeadDim, SmemU32(&sm.ub[tid * kUbStride]),
+                           kIndexHeadDim * 4);
+        BulkCommit();
+      }
+    } else {
+      const bool even = (q4 & 1) == 0;
+      const int row = rows[j0 + r0 + (even ? 0 : 8)];
+      float* dst = a.d_ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + 2 * (q4 & ~1);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float s0 = even ? acc_u[4 * j + 2] : acc_u[4 * j];
+        const float s1 = even ? acc_u[4 * j + 3] : acc_u[4 * j + 1];
+        const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        if (row >= 0) {
+          if (even)
+            RedAddV4(dst + 8 * j, acc_u[4 * j], acc_u[4 * j + 1], x0, x1);
+          else
+            RedAddV4(dst + 8 * j, x0, x1, acc_u[4 * j + 2], acc_u[4 * j + 3]);
+        }
       }
     }
   };
@@ -929,6 +968,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     add_u(it);
   }
   CpAsyncWait<0>();
+  if constexpr (BULK) {
+    if (tid < kBTile) BulkWaitRead();  // the staging is read before the CTA's shared memory goes
+  }
 
   // d_iq[t, hi, d] from dQ^T.
 #pragma unroll
@@ -973,14 +1015,15 @@ cudaError_t LaunchBwdHi(const BwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int HI, bool PIPE>
+template <int HI, bool PIPE, bool BULK>
 cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
-  const size_t smem = sizeof(BwdWgSmem<HI>) + size_t(k_pad) * 8 + 1024;  // + alignment slack
-  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE>,
+  constexpr int kStages = BULK ? 3 : 4;  // as in the kernel
+  const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * 8 + 1024;  // + alignment
+  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE, BULK>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
-  KlBwdKernelWg<HI, PIPE><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
+  KlBwdKernelWg<HI, PIPE, BULK><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1046,10 +1089,16 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   const size_t bytes = size_t(a.t / a.s_q) * size_t(a.s_kv) * kIndexHeadDim * sizeof(float);
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
-  if (a.variant == 0) return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
-  if (a.variant == 1)
-    return a.h_i <= 32 ? LaunchBwdWgHi<32, false>(a, stream) : LaunchBwdWgHi<64, false>(a, stream);
-  return a.h_i <= 32 ? LaunchBwdWgHi<32, true>(a, stream) : LaunchBwdWgHi<64, true>(a, stream);
+  const int variant = a.variant >= 0 ? a.variant : (a.h_i <= 32 ? 3 : 2);
+  if (variant == 0) return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
+  if (variant == 1)
+    return a.h_i <= 32 ? LaunchBwdWgHi<32, false, false>(a, stream)
+                       : LaunchBwdWgHi<64, false, false>(a, stream);
+  if (variant == 3)
+    return a.h_i <= 32 ? LaunchBwdWgHi<32, true, true>(a, stream)
+                       : LaunchBwdWgHi<64, true, true>(a, stream);
+  return a.h_i <= 32 ? LaunchBwdWgHi<32, true, false>(a, stream)
+                     : LaunchBwdWgHi<64, true, false>(a, stream);
 }
 
 }  // namespace indexer_kl

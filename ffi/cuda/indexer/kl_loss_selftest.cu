@@ -1,7 +1,7 @@
 // Standalone check of the KL-loss launch code without XLA, for compute-sanitizer and A/B timing
 // (development only; JAX_DSA_INDEXER_SELFTEST=ON builds it): random inputs, both kernels, every
 // error checked; the backward's variants (0: mma.sync, 1: wgmma, 2: wgmma with S of the next tile
-// overlapping the atomics) against a float64 reference.
+// overlapping the atomics, 3: 2 with d_ik added by bulk reductions) against a float64 reference.
 //   ./kl_loss_selftest                      the cases below (exit status 1 on a failure)
 //   ./kl_loss_selftest --bench [S]          backward variants at S = S_q = S_kv (default 16384),
 //                                           32 index heads, K 2048: CUDA-event medians of 10
@@ -26,6 +26,8 @@ using namespace jax_dsa::indexer_kl;
       exit(1);                                                                                   \
     }                                                                                            \
   } while (0)
+
+constexpr int kVariants = 4;  // BwdArgs::variant 0..3
 
 template <typename T>
 T* up(const std::vector<T>& v) {
@@ -118,7 +120,7 @@ int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int s
   }
   int bad = 0;
   float* dsp = up(ds);
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < kVariants; ++variant) {
     BwdArgs b{a.iq, a.ik, a.w, a.idx, dsp, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
     b.variant = variant;
     CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
@@ -173,9 +175,9 @@ int bench(int s, int h_i, int k) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  std::vector<float> ms[3];
+  std::vector<float> ms[kVariants];
   for (int rep = 0; rep < 12; ++rep)
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int variant = 0; variant < kVariants; ++variant) {
       b.variant = variant;
       CK(cudaEventRecord(e0));
       CK(LaunchBwd(b, 0));
@@ -188,7 +190,7 @@ int bench(int s, int h_i, int k) {
   const double flop = 3.0 * 2 * 32 * 128;  // per (row, slot), H_I padded to 32 or 64 not counted
   double pairs = 0;
   for (int64_t r = 0; r < t; ++r) pairs += std::min<int64_t>(r + 1, k);
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < kVariants; ++variant) {
     std::sort(ms[variant].begin(), ms[variant].end());
     const double med = ms[variant][ms[variant].size() / 2];
     printf("bench S=%d h_i=%d k=%d bwd variant %d: median %.3f ms (min %.3f), %.0f TFLOP/s\n", s,
