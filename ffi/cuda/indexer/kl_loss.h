@@ -36,7 +36,9 @@
 // s = iq[t] . ik[row_j] (H_I x 64), forms G[hi, j] = dscore[t, j] * w[t, hi] * (s > 0) and writes
 //     d_w[t, hi]  = sum_j dscore[t, j] * relu(s[hi, j])
 //     d_iq[t, hi] = sum_j G[hi, j] * ik[row_j]                       (registers, no atomics)
-//     d_ik[row_j] += sum_hi G[hi, j] * iq[t, hi]                     (fp32 vector atomics)
+//     d_ik[row_j] += sum_hi G[hi, j] * iq[t, hi]                     (fp32: bulk reductions or
+//                                                                     vector atomics)
+// On wgmma, one warpgroup a row (BwdArgs::variant says which of the kernels runs).
 // dscore is 0 off the support (the caller's contract); slots with dscore == 0 or an index out of
 // [0, s_kv) add nothing. G is rounded to bf16 for the two tensor-core products (as FlashAttention
 // rounds dS); everything is accumulated in fp32. d_ik is zeroed by the handler (memset on XLA's
