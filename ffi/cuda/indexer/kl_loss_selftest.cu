@@ -4,7 +4,8 @@
 // overlapping the atomics, 3: 2 with d_ik added by bulk reductions) against a float64 reference.
 //   ./kl_loss_selftest                      the cases below (exit status 1 on a failure)
 //   ./kl_loss_selftest --bench [S]          backward variants at S = S_q = S_kv (default 16384),
-//                                           32 index heads, K 2048: CUDA-event medians of 10
+//                                           32 and 64 index heads, K 2048: CUDA-event medians
+//                                           of 10
 //   compute-sanitizer --tool memcheck ./kl_loss_selftest; ... --tool racecheck ...
 #include <cuda_bf16.h>
 
