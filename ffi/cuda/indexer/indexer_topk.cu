@@ -607,6 +607,20 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
 // (3) Exact top-k of one row of scores.
 
 // Order-preserving key of a score: 0 for -inf (invisible); a larger float a larger key; -0 = +0.
+// One compare-exchange of a bitonic sort step (pair t of the step with this stride, in blocks of
+// `size`): descending where (i & size) == 0, ascending elsewhere.
+__device__ __forceinline__ void BitonicStep(unsigned long long* sel, unsigned t, unsigned stride,
+                                            unsigned size) {
+  const unsigned i = 2 * t - (t & (stride - 1));
+  const unsigned jj = i + stride;
+  const bool desc = (i & size) == 0;
+  const unsigned long long x = sel[i], y = sel[jj];
+  if ((x < y) == desc) {
+    sel[i] = y;
+    sel[jj] = x;
+  }
+}
+
 __device__ __forceinline__ uint32_t ScoreKey(float f) {
   if (f == -INFINITY) return 0u;
   const uint32_t u = __float_as_uint(f == 0.f ? 0.f : f);
@@ -901,14 +915,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
             for (int v = 0; v < V; ++v) {
               const unsigned t = unsigned(tid + NT * v);
               if (2u * t < P) {
-                const unsigned i = 2u * t - (t & (s0 - 1));
-                const unsigned jj = i + s0;
-                const bool desc = (i & size) == 0;
-                const unsigned long long x = sel[i], y = sel[jj];
-                if ((x < y) == desc) {
-                  sel[i] = y;
-                  sel[jj] = x;
-                }
+                BitonicStep(sel, t, s0, size);
               }
             }
             __syncthreads();
@@ -974,14 +981,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
       for (unsigned size = 2; size <= P; size <<= 1) {
         for (unsigned stride = size >> 1; stride > 0; stride >>= 1) {
           for (unsigned t = tid; t < P / 2; t += NT) {
-            const unsigned i = 2 * t - (t & (stride - 1));
-            const unsigned jj = i + stride;
-            const bool desc = (i & size) == 0;
-            const unsigned long long x = sel[i], y = sel[jj];
-            if ((x < y) == desc) {
-              sel[i] = y;
-              sel[jj] = x;
-            }
+            BitonicStep(sel, t, stride, size);
           }
           __syncthreads();
         }
