@@ -51,6 +51,9 @@ def reference_kernels(cuda_op, monkeypatch):
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "score", kl_loss_cuda.reference_score_kernel)
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "target", kl_loss_cuda.reference_target_kernel)
     monkeypatch.setitem(kl_loss_cuda.KERNELS, "dense_lse", kl_loss_cuda.reference_dense_lse_kernel)
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "index_lse", kl_loss_cuda.reference_index_lse_kernel)
+    monkeypatch.setitem(kl_loss_cuda.KERNELS, "dense_backward",
+                        kl_loss_cuda.reference_dense_backward_kernel)
     return cuda_op
 
 
@@ -341,6 +344,12 @@ def test_dense_glue_matches_the_oracle(reference_kernels, monkeypatch, given_lse
         assert rel_l2(a, b) < tol, name
     want_l, want_g = loss_and_grads(reference_kernels, x, sm_scale, "xla", lse=lse)
     np.testing.assert_allclose(got_l, want_l, rtol=tol)
+    # Not differentiated: the forward alone (its own passes), the same loss.
+    plain = jax.jit(lambda iq, ik, iw: reference_kernels(
+        iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
+        kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
+        attention_lse=lse, implementation="cuda"))(x["iq"], x["ik"], x["iw"])
+    np.testing.assert_allclose(plain, ref[0], rtol=tol)
 
 
 def test_dense_glue_without_visible_keys_is_zero(reference_kernels):
@@ -365,7 +374,7 @@ def test_glue_without_any_support_is_zero(reference_kernels):
                                          ({"dp": 2, "cp": 2, "tp": 2}, True)])
 def test_glue_under_sharding_matches_unsharded(reference_kernels, monkeypatch, sizes, dense):
     """Heads split over tp (the target's head mean psum-ed across shards), rows over cp, batch
-    over dp: the same loss and gradients as unsharded (the dense form: with its residuals)."""
+    over dp: the same loss and gradients as unsharded (the dense form: gradients from its forward)."""
     n = int(np.prod(list(sizes.values())))
     if len(jax.devices()) < n:
         pytest.skip(f"needs {n} devices")
@@ -469,8 +478,9 @@ def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
 
 @pytest.mark.parametrize("given_lse", [False, True])
 def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
-    """The dense form: the score, target and backward kernels on [S_q, 2048] chunks inside
-    loops, the dense forward only without attention_lse, and no [S_q, S_kv] array anywhere."""
+    """The dense form under jax.grad: the index scores' log-sum-exp, then the target and the
+    dense backward kernels on [S_q, 2048] chunks inside a loop (no score kernel, no second
+    pass), the dense forward only without attention_lse, and no [S_q, S_kv] array anywhere."""
     monkeypatch.setattr(kl_loss_cuda, "native_unavailable", lambda *a: None)
     f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sds = jax.ShapeDtypeStruct
@@ -486,10 +496,12 @@ def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
     text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
             .lower(lowering_platforms=("cuda",)).as_text())
     names = re.findall(r"stablehlo.custom_call @(\w+)", text)
-    assert {"jax_dsa_sparse_mla_target_cuda", kl_loss_cuda.SCORE_TARGET,
-            kl_loss_cuda.BWD_TARGET} <= set(names), names
+    assert {"jax_dsa_sparse_mla_target_cuda", "jax_dsa_indexer_lse_cuda",
+            kl_loss_cuda.DENSE_BWD_TARGET} <= set(names), names
     assert ("jax_dsa_dense_mla_fwd_cuda" in names) != given_lse
-    assert kl_loss_cuda.FWD_TARGET not in names
+    assert names.count("jax_dsa_sparse_mla_target_cuda") == 1, names  # one pass over the keys
+    assert not {kl_loss_cuda.FWD_TARGET, kl_loss_cuda.SCORE_TARGET,
+                kl_loss_cuda.BWD_TARGET} & set(names), names
     assert "stablehlo.while" in text
     assert f"tensor<{s}x2048xf32>" in text  # the chunk
     assert not re.search(rf"tensor<(\d+x)*{s}x{s}(x\d+)*x", text)

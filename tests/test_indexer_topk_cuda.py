@@ -63,6 +63,13 @@ def test_workspace_formula_matches_the_handler(s_kv, rows):
     assert mod.topk_workspace_bytes(s_kv, rows) == tc.workspace_bytes(s_kv, rows)
 
 
+@needs_module
+@pytest.mark.parametrize("s_kv,s_q", [(1, 1), (1000, 104), (131073, 20000)])
+def test_index_lse_workspace_formula_matches_the_handler(s_kv, s_q):
+    mod = _native._MODULES[tc.MODULE]
+    assert mod.index_lse_workspace_bytes(s_kv, s_q) == tc.index_lse_workspace_bytes(s_kv, s_q)
+
+
 @pytest.mark.parametrize("s_q,s_kv", [(1, 1), (100, 1000), (32768, 32768), (4096, 131072),
                                       (5, 1 << 21)])
 def test_chunk_rows_bound_the_workspace(s_q, s_kv):
@@ -331,3 +338,34 @@ def test_gpu_return_scores_match_the_oracle():
     assert np.all(np.abs(scores[ok] - score[rows, idx[ok]]) <= tol[rows, idx[ok]])
     with np.errstate(invalid="ignore"):  # -inf - -inf past the valid slots
         assert np.all(np.diff(scores, axis=1)[ok[:, 1:]] <= 0)  # descending (valid slots lead)
+
+
+@needs_sm90
+@pytest.mark.parametrize("h,s_q,s_kv,docs", [(32, 300, 500, False),    # CTAs split the keys
+                                             (20, 200, 2100, True),    # padded heads, documents
+                                             (64, 700, 700, True),
+                                             (32, 2200, 2200, False)])  # one CTA a row block
+def test_gpu_index_lse_matches_the_oracle(h, s_q, s_kv, docs):
+    """The score kernel's log-sum-exp mode (the dense KL loss's normaliser) against float64,
+    with a query that sees no key (-inf)."""
+    q, k, w, qp, kp, args = _gpu_inputs(h, s_q, s_kv)
+    qp = qp.copy()
+    qp[3] = -1  # sees nothing
+    qs = ks = None
+    vis = kp[None, :] <= qp[:, None]
+    if docs:
+        qs, ks = qp // 100, kp // 100
+        vis &= ks[None, :] == qs[:, None]
+    i32 = lambda a: jnp.asarray(a, jnp.int32)[None]
+    got = np.asarray(tc.index_lse_call(*(a[None] for a in args), i32(qp), i32(kp),
+                                       None if qs is None else i32(qs),
+                                       None if ks is None else i32(ks)))[0]
+    score, tol = _oracle(q, k, w)
+    has = vis.any(axis=1)
+    assert got[3] == -np.inf and np.array_equal(np.isinf(got), ~has)
+    masked = np.where(vis, score, -np.inf)[has]
+    mx = np.max(masked, axis=1, keepdims=True)
+    ref = np.log(np.sum(np.exp(masked - mx), axis=1)) + mx[:, 0]
+    err = np.abs(got[has] - ref)
+    bound = np.max(np.where(vis, tol, 0), axis=1)[has] + 1e-5 * np.abs(ref) + 1e-6
+    assert np.all(err <= bound), float(np.max(err / bound))

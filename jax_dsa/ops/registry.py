@@ -46,6 +46,9 @@ class Implementation:
         sequence of names (or ``None``) skips an implementation whose platforms do not include
         the default backend; a single name does not, so that a program can be lowered for another
         platform.
+      forward_with_grads: optional, for ops whose VJP says where it is used (e.g. the dense
+        indexer KL loss): the forward and the gradients for a unit cotangent in one call, for
+        when a separate backward would repeat the forward's passes.
     """
 
     name: str
@@ -53,6 +56,7 @@ class Implementation:
     forward: Callable
     backward: Callable | None = None
     platforms: tuple[str, ...] = ()
+    forward_with_grads: Callable | None = None
 
     def __repr__(self):
         return f"Implementation({self.name!r})"

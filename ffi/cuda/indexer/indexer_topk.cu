@@ -109,6 +109,14 @@ __global__ void TileStatsKernel(const int32_t* __restrict__ kv_pos, const int32_
   stats[j] = make_int4(mn, smn, smx, 0);
 }
 
+// (m, l) <- the merge of two running softmax statistics (max, sum of exp(x - max)).
+__device__ __forceinline__ void LseMerge(float& m, float& l, float m2, float l2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;  // both empty
+  l = l * __expf(m - mx) + l2 * __expf(m2 - mx);
+  m = mx;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The key tiles of a score CTA: the union over its bq rows (from row0) of the 64-key tiles that any
 // of them can see (by each tile's min position and segment range), recorded as every row's scanned
@@ -390,7 +398,9 @@ constexpr int kWgQBytes = 128 * kD * 2;  // one consumer's q: 32 KiB
 // KVSMEM: the producer also copies each tile's key positions and segment ids into the stage (one
 // 4-byte cp.async a thread), so that the consumers' visibility test reads shared memory instead of
 // waiting on global loads after each tile's wgmma.
-template <int G, int STAGES, bool KVSMEM = false>
+// LSE: no scores are stored; each row's running max and sum of exp(score - max) over its visible
+// keys go to `scores` read as float2 partials [gridDim.y][rows] (LaunchIndexLse merges them).
+template <int G, int STAGES, bool KVSMEM = false, bool LSE = false>
 __global__ void __launch_bounds__(kWgThreads, 1)
 ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
               const float* __restrict__ w, const int32_t* __restrict__ q_pos,
@@ -423,7 +433,12 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   // (CtaTileRange's barriers order the initialisation above before any use)
   const int2 jr = CtaTileRange(row0, BQ, rows, q_pos, q_seg, stats, nt, ranges, kWgThreads);
   const int j0 = jr.x, j1 = jr.y;
-  if (j0 >= j1) return;  // uniform over the CTA
+  float2* partials = reinterpret_cast<float2*>(scores);  // LSE
+  if (j0 >= j1) {  // uniform over the CTA
+    if (LSE && tid < BQ && row0 + tid < rows)
+      partials[int64_t(blockIdx.y) * rows + row0 + tid] = make_float2(-INFINITY, 0.f);
+    return;
+  }
   const int n = j1 - j0;
 
   // q of both consumers: rows (query, head) row0 * H + i, zero past the chunk.
@@ -502,6 +517,7 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   const int qp = q_pos[my_rr], qs = q_seg[my_rr];
   float* out_row = scores + int64_t(my_rr) * ld;
   const uint32_t qdesc_base = qbase + cw * kWgQBytes;
+  float run_m = -INFINITY, run_l = 0.f;  // LSE: this thread's share of query my_q's statistics
 
   float acc0[64], acc1[64];
   auto issue = [&](float (&acc)[64], int it) {
@@ -563,13 +579,25 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
     float fv[NO];
     ReduceScatterStep<NO>(v1, fv, lane, 1);
     if (my_ok) {
+      bool vis[NO];
+      float tile_m = -INFINITY;
 #pragma unroll
       for (int m = 0; m < NO; ++m) {
         const int row = ((quad * NO + m) & 1) ? r0 + 8 : r0;
         const int s = j * kBN + row;
-        const bool vis = s < s_kv && kvp[m] <= qp && kvs[m] == qs;
+        vis[m] = s < s_kv && kvp[m] <= qp && kvs[m] == qs;
         // Visible: clamp to the lowest finite float (never -inf), -0.0 -> +0.0.
-        out_row[s] = vis ? fmaxf(fv[m], -FLT_MAX) + 0.f : -INFINITY;
+        if constexpr (!LSE) out_row[s] = vis[m] ? fmaxf(fv[m], -FLT_MAX) + 0.f : -INFINITY;
+        if (vis[m]) tile_m = fmaxf(tile_m, fv[m]);
+      }
+      if constexpr (LSE) {
+        if (tile_m > run_m) {
+          run_l *= __expf(run_m - tile_m);
+          run_m = tile_m;
+        }
+#pragma unroll
+        for (int m = 0; m < NO; ++m)
+          if (vis[m]) run_l += __expf(fv[m] - run_m);
       }
     }
   };
@@ -601,6 +629,35 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
     WgWait<0>();
     done(acc0, it);
   }
+  if constexpr (LSE) {
+    // Merge the shares of each query: lanes with the same query (the 8 row groups; with NO == 1
+    // also the lane pair), then the four warps through shared memory.
+    __shared__ float2 red[2][4][QW];
+#pragma unroll
+    for (int mask = 4; mask <= 16; mask <<= 1)
+      LseMerge(run_m, run_l, __shfl_xor_sync(kFull, run_m, mask), __shfl_xor_sync(kFull, run_l, mask));
+    if constexpr (NO == 1)
+      LseMerge(run_m, run_l, __shfl_xor_sync(kFull, run_m, 1), __shfl_xor_sync(kFull, run_l, 1));
+    if (lane < 4 && (NO > 1 || (quad & 1) == 0)) red[cw][wq][my_q] = make_float2(run_m, run_l);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");  // this consumer's 4 warps
+    if (ct < QW && qb0 + ct < rows) {
+      float m = -INFINITY, l = 0.f;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) LseMerge(m, l, red[cw][x][ct].x, red[cw][x][ct].y);
+      partials[int64_t(blockIdx.y) * rows + qb0 + ct] = make_float2(m, l);
+    }
+  }
+}
+
+// Each row's log-sum-exp from its gy partials (running max, sum of exp(score - max)); -inf for a
+// row without visible keys.
+__global__ void LseCombineKernel(const float2* __restrict__ partials, int gy, int rows,
+                                 float* __restrict__ lse) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float m = -INFINITY, l = 0.f;
+  for (int y = 0; y < gy; ++y) LseMerge(m, l, partials[int64_t(y) * rows + r].x, partials[int64_t(y) * rows + r].y);
+  lse[r] = l > 0.f ? m + logf(l) : -INFINITY;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1111,6 +1168,11 @@ cudaError_t TopkPrepare() {
     e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheMaxElems256 * 4);
     if (e != cudaSuccess) return e;
   }
+  for (const void* f : {reinterpret_cast<const void*>(&ScoreKernelWg<1, 4, true, true>),
+                        reinterpret_cast<const void*>(&ScoreKernelWg<2, 4, true, true>)}) {
+    e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem(4));
+    if (e != cudaSuccess) return e;
+  }
   if (bit) g_prepared.fetch_or(bit);
   return cudaSuccess;
 }
@@ -1203,6 +1265,50 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
       }
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     }
+  }
+  *what = "";
+  return cudaSuccess;
+}
+
+cudaError_t LaunchIndexLse(const TopkLaunch& a, float* lse, const char** what) {
+  *what = "preparing the kernels";
+  if (cudaError_t e = TopkPrepare(); e != cudaSuccess) return e;
+  if (a.nb == 0 || a.s_q == 0) return cudaSuccess;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const int sms = NumSms(dev);
+  const int G = int(a.heads / 32);
+  const int BQ = 8 / G;
+  const int64_t ld = int64_t(TopkRowStride(a.s_kv));
+  const int nt = int(ld / kBN);
+  const int rows = int(a.s_q);
+  unsigned char* ws = static_cast<unsigned char*>(a.workspace);
+  const int64_t n_part = IndexLsePartials(a.s_q);
+  float2* partials = reinterpret_cast<float2*>(ws);
+  int2* ranges = reinterpret_cast<int2*>(ws + TopkAlign(size_t(n_part) * 8));
+  int4* stats = reinterpret_cast<int4*>(ws + TopkAlign(size_t(n_part) * 8) + TopkAlign(size_t(rows) * 8));
+  const int gx = (rows + BQ - 1) / BQ;
+  int gy = 1;  // as LaunchTopk, within the partials' room
+  if (gx < 2 * sms) gy = std::max(1, std::min((2 * sms + gx - 1) / gx, std::max(1, nt / 8)));
+  gy = int(std::max<int64_t>(1, std::min<int64_t>(gy, n_part / rows)));
+  const auto fn = G == 1 ? &ScoreKernelWg<1, 4, true, true> : &ScoreKernelWg<2, 4, true, true>;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int32_t* kv_pos = a.kv_pos + b * a.s_kv;
+    const int32_t* kv_seg = a.kv_seg + b * a.s_kv;
+    const int64_t t0 = b * a.s_q;
+    *what = "launching the key-tile statistics kernel";
+    TileStatsKernel<<<(nt + 255) / 256, 256, 0, a.stream>>>(kv_pos, kv_seg, int(a.s_kv), nt, stats);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    *what = "launching the score kernel";
+    fn<<<dim3(gx, gy), kWgThreads, WgSmem(4), a.stream>>>(
+        static_cast<const __nv_bfloat16*>(a.q) + t0 * a.heads * kD,
+        static_cast<const __nv_bfloat16*>(a.k) + b * a.s_kv * kD, a.w + t0 * a.heads, a.q_pos + t0,
+        a.q_seg + t0, kv_pos, kv_seg, stats, nt, rows, int(a.s_kv), ld,
+        reinterpret_cast<float*>(partials), ranges);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    *what = "launching the combine kernel";
+    LseCombineKernel<<<(rows + 255) / 256, 256, 0, a.stream>>>(partials, gy, rows, lse + t0);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   *what = "";
   return cudaSuccess;

@@ -79,6 +79,19 @@ int TopkTopkVariants();
 // mma.sync kernels; 1, the wgmma kernel (-1: the default variant's).
 int TopkScoreVariantFamily(int variant);
 
+// The index scores' log-sum-exp over each row's visible keys (the dense indexer KL loss's
+// normaliser), lse[t] = log sum_s exp(I[t, s]) with I as above (-inf for a row without visible
+// keys): the score kernel with no scores stored, each CTA's running (max, sum) per row merged by a
+// second kernel. Uses a's inputs, nb, s_q, s_kv, heads and stream; a.workspace holds
+// IndexLseWorkspaceBytes(s_kv, s_q) bytes: partials [IndexLsePartials(s_q)] float2, row ranges
+// [s_q] int2, key-tile stats [ld / 64] int4 (each section 256-byte aligned). lse: [nb, s_q] fp32.
+inline int64_t IndexLsePartials(int64_t s_q) { return s_q > 8192 ? s_q : 8192; }
+inline size_t IndexLseWorkspaceBytes(int64_t s_kv, int64_t s_q) {
+  return TopkAlign(size_t(IndexLsePartials(s_q)) * 8) + TopkAlign(size_t(s_q) * 8) +
+         TopkAlign(TopkRowStride(s_kv) / kTopkKeyTile * 16);
+}
+cudaError_t LaunchIndexLse(const TopkLaunch& a, float* lse, const char** what);
+
 // Raises the kernels' shared-memory limits on the current device (idempotent, per device).
 cudaError_t TopkPrepare();
 // Enqueues the whole computation on a.stream (no allocation, no synchronisation). `what` names

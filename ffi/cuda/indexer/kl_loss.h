@@ -92,6 +92,13 @@ struct BwdArgs {
   float* d_ik;               // [NB * s_kv, 128] (zeroed here)
   float* d_w;                // [T, H_I]
   int64_t t, h_i, k, s_q, s_kv;
+  // The dense form (the warm-up stage's chunks; dscore == nullptr): dscore is formed in the kernel,
+  //     dscore[t, j] = exp(I[t, j] - index_lse[t]) - target[t, j]   on every valid slot,
+  // with I = sum_hi w * relu(iq . ik[row_j]) recomputed from the products of (1), and I is written
+  // to score (-inf on invalid slots). The caller lists only visible keys.
+  const float* index_lse = nullptr;  // [T] log sum over the row's visible keys of exp(I)
+  const float* target = nullptr;     // [T, K] the target's probability of each slot
+  float* score = nullptr;            // [T, K]
   // -1 (default): 3 for H_I <= 32, else 2. 3: the wgmma kernel with d_ik added by 512-byte bulk
   // reductions from shared memory (3 stages, two CTAs an SM at H_I 32, one at 64); 2: the same
   // with red.v4 atomics and 4 stages; 1: 2 without S of the next tile during the atomics; 0: the

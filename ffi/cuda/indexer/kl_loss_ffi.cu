@@ -6,6 +6,8 @@
 //   jax_dsa_indexer_score_cuda: the forward's operands -> score [T, K] f32 alone; same attrs
 //   jax_dsa_indexer_kl_bwd_cuda: (iq, ik, w, idx, dscore)
 //       -> (d_iq [T, H_I, 128] f32, d_ik [NB * s_kv, 128] f32, d_w [T, H_I] f32); attrs s_q, s_kv
+//   jax_dsa_indexer_kl_dense_bwd_cuda: (iq, ik, w, idx, target [T, K] f32, index_lse [T] f32)
+//       -> (d_iq, d_ik, d_w as above, score [T, K] f32); the dense form (BwdArgs::index_lse)
 // Flat rows: T = NB * s_q query rows, NB * s_kv key rows (batch element b's keys are rows
 // b * s_kv ...; idx holds per-batch key indices). Segment ids are [T] / [NB * s_kv] int32, or both
 // empty ([0]) for none. Run on XLA's stream; no allocation, no synchronisation.
@@ -135,12 +137,13 @@ ffi::Error ForwardV4(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
                      &lse, &log_mass, score, sm_scale, s_q, s_kv);
 }
 
-ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
-                    ffi::Buffer<ffi::F32, 2> w, ffi::Buffer<ffi::S32, 2> idx,
-                    ffi::Buffer<ffi::F32, 2> dscore, ffi::ResultBuffer<ffi::F32, 3> d_iq,
-                    ffi::ResultBuffer<ffi::F32, 2> d_ik, ffi::ResultBuffer<ffi::F32, 2> d_w,
-                    int64_t s_q, int64_t s_kv) {
-  const char* which = "backward";
+// index_lse == nullptr: per_slot is dscore; else it is the target, and the kernel writes score.
+ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi::BF16, 3>& iq,
+                        ffi::Buffer<ffi::BF16, 2>& ik, ffi::Buffer<ffi::F32, 2>& w,
+                        ffi::Buffer<ffi::S32, 2>& idx, ffi::Buffer<ffi::F32, 2>& per_slot,
+                        ffi::Buffer<ffi::F32, 1>* index_lse, ffi::ResultBuffer<ffi::F32, 2>* score,
+                        ffi::ResultBuffer<ffi::F32, 3>& d_iq, ffi::ResultBuffer<ffi::F32, 2>& d_ik,
+                        ffi::ResultBuffer<ffi::F32, 2>& d_w, int64_t s_q, int64_t s_kv) {
   const int64_t t = iq.dimensions()[0], h_i = iq.dimensions()[1];
   const int64_t nkv = ik.dimensions()[0], k = idx.dimensions()[1];
   JAX_DSA_KL_CHECK(s_q >= 1 && s_kv >= 1, which, "attributes s_q and s_kv must be >= 1");
@@ -156,18 +159,49 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buff
   JAX_DSA_KL_CHECK(Shaped(w, {t, h_i}), which,
                    "index_weights " + Dims(w.dimensions()) + " must be [T, H_I]");
   JAX_DSA_KL_CHECK(Shaped(idx, {t, k}), which, "indices " + Dims(idx.dimensions()) + " must be [T, K]");
-  JAX_DSA_KL_CHECK(Shaped(dscore, {t, k}), which,
-                   "dscore " + Dims(dscore.dimensions()) + " must be [T, K] like indices");
+  const char* slot_name = index_lse ? "target " : "dscore ";
+  JAX_DSA_KL_CHECK(Shaped(per_slot, {t, k}), which,
+                   slot_name + Dims(per_slot.dimensions()) + " must be [T, K] like indices");
+  if (index_lse) {
+    JAX_DSA_KL_CHECK(Shaped(*index_lse, {t}), which,
+                     "index_lse " + Dims(index_lse->dimensions()) + " must be [T]");
+    JAX_DSA_KL_CHECK(Shaped(**score, {t, k}), which,
+                     "score " + Dims((*score)->dimensions()) + " must be [T, K] like indices");
+  }
   JAX_DSA_KL_CHECK(Shaped(*d_iq, {t, h_i, kIndexHeadDim}) && Shaped(*d_ik, {nkv, kIndexHeadDim}) &&
                        Shaped(*d_w, {t, h_i}),
                    which, "results must be d_iq [T, H_I, 128], d_ik [NB * S_kv, 128], d_w [T, H_I]");
   BwdArgs a{reinterpret_cast<const __nv_bfloat16*>(iq.untyped_data()),
             reinterpret_cast<const __nv_bfloat16*>(ik.untyped_data()),
-            w.typed_data(), idx.typed_data(), dscore.typed_data(), d_iq->typed_data(),
-            d_ik->typed_data(), d_w->typed_data(), t, h_i, k, s_q, s_kv};
+            w.typed_data(), idx.typed_data(), index_lse ? nullptr : per_slot.typed_data(),
+            d_iq->typed_data(), d_ik->typed_data(), d_w->typed_data(), t, h_i, k, s_q, s_kv};
+  if (index_lse) {
+    a.index_lse = index_lse->typed_data();
+    a.target = per_slot.typed_data();
+    a.score = (*score)->typed_data();
+  }
   if (const char* why = BwdUnsupported(a)) return Invalid(which, why);
   cudaError_t e = LaunchBwd(a, stream);
   return e == cudaSuccess ? ffi::Error::Success() : CudaError(which, e);
+}
+
+ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
+                    ffi::Buffer<ffi::F32, 2> w, ffi::Buffer<ffi::S32, 2> idx,
+                    ffi::Buffer<ffi::F32, 2> dscore, ffi::ResultBuffer<ffi::F32, 3> d_iq,
+                    ffi::ResultBuffer<ffi::F32, 2> d_ik, ffi::ResultBuffer<ffi::F32, 2> d_w,
+                    int64_t s_q, int64_t s_kv) {
+  return BackwardImpl("backward", stream, iq, ik, w, idx, dscore, nullptr, nullptr, d_iq, d_ik,
+                      d_w, s_q, s_kv);
+}
+
+ffi::Error DenseBackward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq,
+                         ffi::Buffer<ffi::BF16, 2> ik, ffi::Buffer<ffi::F32, 2> w,
+                         ffi::Buffer<ffi::S32, 2> idx, ffi::Buffer<ffi::F32, 2> target,
+                         ffi::Buffer<ffi::F32, 1> index_lse, ffi::ResultBuffer<ffi::F32, 3> d_iq,
+                         ffi::ResultBuffer<ffi::F32, 2> d_ik, ffi::ResultBuffer<ffi::F32, 2> d_w,
+                         ffi::ResultBuffer<ffi::F32, 2> score, int64_t s_q, int64_t s_kv) {
+  return BackwardImpl("dense backward", stream, iq, ik, w, idx, target, &index_lse, &score, d_iq,
+                      d_ik, d_w, s_q, s_kv);
 }
 
 #undef JAX_DSA_KL_CHECK
@@ -226,6 +260,22 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buff
       .Attr<int64_t>("s_q")                                    \
       .Attr<int64_t>("s_kv")
 
+#define JAX_DSA_KL_DENSE_BWD_BINDING                           \
+  ffi::Ffi::Bind()                                             \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
+      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
+      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* target */           \
+      .Arg<ffi::Buffer<ffi::F32, 1>>()  /* index_lse */        \
+      .Ret<ffi::Buffer<ffi::F32, 3>>()  /* d_index_q */        \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_k */        \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_weights */  \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
+      .Attr<int64_t>("s_q")                                    \
+      .Attr<int64_t>("s_kv")
+
 // One memset (backward) and one launch on XLA's stream each: capture-safe.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCuda, jax_dsa::indexer_kl::Forward,
                               JAX_DSA_KL_FWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
@@ -243,3 +293,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCuda, jax_dsa::indexer_kl::Backw
                               JAX_DSA_KL_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCudaNoGraph, jax_dsa::indexer_kl::Backward,
                               JAX_DSA_KL_BWD_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCuda, jax_dsa::indexer_kl::DenseBackward,
+                              JAX_DSA_KL_DENSE_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCudaNoGraph, jax_dsa::indexer_kl::DenseBackward,
+                              JAX_DSA_KL_DENSE_BWD_BINDING);

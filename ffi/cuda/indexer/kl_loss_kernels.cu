@@ -463,6 +463,17 @@ __device__ __forceinline__ int BwdSlot(const BwdArgs& a, int64_t t, int64_t b, i
   return int(b * a.s_kv + i);
 }
 
+// The dense form's slot (BwdArgs::index_lse given): d = the target p[t, j]; every slot with an
+// index in [0, s_kv) contributes (its dscore exp(I - lse) - p is formed from the recomputed I).
+__device__ __forceinline__ int BwdSlotDense(const BwdArgs& a, int64_t t, int64_t b, int j, float& d) {
+  d = 0.f;
+  if (j >= a.k) return -1;
+  const int i = a.idx[t * a.k + j];
+  if (i < 0 || i >= a.s_kv) return -1;
+  d = a.target[t * a.k + j];
+  return int(b * a.s_kv + i);
+}
+
 template <int HI>
 struct BwdSmem {
   alignas(128) unsigned char ik[kBStages][kBTile * kBRowBytes];
@@ -729,7 +740,10 @@ struct BwdWgSmem {
   // then rows [k_pad] int32 and dscore [k_pad] float32 (dynamic)
 };
 
-template <int HI, bool PIPE, bool BULK>
+// DENSE: dscore is formed in the kernel from the recomputed score (BwdArgs::index_lse, ::target,
+// ::score): dscore[t, j] = exp(I[t, j] - index_lse[t]) - target[t, j] on the valid slots, and I is
+// written out. The head sum of I is each thread's heads in order, then the quad (xor 1, 2).
+template <int HI, bool PIPE, bool BULK, bool DENSE = false>
 __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
   using namespace sm90;
   constexpr int kWgStages = BULK ? 3 : 4;  // BULK: U's staging takes a stage's room
@@ -761,9 +775,10 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
   if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
   for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
     float d;
-    const int row = BwdSlot(a, t, b, j, d);
+    const int row = DENSE ? BwdSlotDense(a, t, b, j, d) : BwdSlot(a, t, b, j, d);
     rows[j] = row;
     ds[j] = d;
+    if (DENSE && row < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
     const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
     if (lane == 0) sm.flags[j >> 5] = m != 0;
   }
@@ -776,6 +791,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
   }
   __syncthreads();
   const int n_act = sm.n_tiles;
+  const float lse_i = DENSE ? a.index_lse[t] : 0.f;
   float wv[NA / 2];  // w of heads 8 j + 2 q4 + e, index 2 j + e
 #pragma unroll
   for (int j = 0; j < HI / 8; ++j)
@@ -837,7 +853,29 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
   auto make_g = [&](int it) {
     const int j0 = sm.tiles[it] * kBTile;
     WgFenceOperand(acc_s);
-    const float d_lo = ds[j0 + r0], d_hi = ds[j0 + r0 + 8];
+    float d_lo = ds[j0 + r0], d_hi = ds[j0 + r0 + 8];
+    if constexpr (DENSE) {
+      float i_lo = 0.f, i_hi = 0.f;  // I of slots r0, r0 + 8 (this thread's heads, then the quad)
+#pragma unroll
+      for (int j = 0; j < HI / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          i_lo = fmaf(fmaxf(acc_s[4 * j + e], 0.f), wv[2 * j + e], i_lo);
+          i_hi = fmaf(fmaxf(acc_s[4 * j + 2 + e], 0.f), wv[2 * j + e], i_hi);
+        }
+#pragma unroll
+      for (int mask = 1; mask <= 2; mask <<= 1) {
+        i_lo += __shfl_xor_sync(0xffffffffu, i_lo, mask);
+        i_hi += __shfl_xor_sync(0xffffffffu, i_hi, mask);
+      }
+      const bool v_lo = rows[j0 + r0] >= 0, v_hi = rows[j0 + r0 + 8] >= 0;
+      d_lo = v_lo ? __expf(i_lo - lse_i) - d_lo : 0.f;
+      d_hi = v_hi ? __expf(i_hi - lse_i) - d_hi : 0.f;
+      if (q4 == 0) {
+        if (v_lo) a.score[t * k + j0 + r0] = i_lo;
+        if (v_hi) a.score[t * k + j0 + r0 + 8] = i_hi;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < HI / 8; ++j) {
       uint32_t pk[2];
@@ -1015,15 +1053,15 @@ cudaError_t LaunchBwdHi(const BwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int HI, bool PIPE, bool BULK>
+template <int HI, bool PIPE, bool BULK, bool DENSE = false>
 cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
   constexpr int kStages = BULK ? 3 : 4;  // as in the kernel
   const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * 8 + 1024;  // + alignment
-  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE, BULK>,
+  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE, BULK, DENSE>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
-  KlBwdKernelWg<HI, PIPE, BULK><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
+  KlBwdKernelWg<HI, PIPE, BULK, DENSE><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1047,6 +1085,9 @@ const char* BwdUnsupported(const BwdArgs& a) {
   if (a.s_q < 1 || a.s_kv < 1 || a.t % a.s_q != 0) return "S_q and S_kv must be >= 1, T a multiple of S_q";
   if ((a.t / a.s_q) * a.s_kv > INT32_MAX) return "NB * S_kv must be < 2^31";
   if (a.t > INT32_MAX) return "T must be < 2^31";
+  if ((a.index_lse == nullptr) != (a.target == nullptr) || (a.index_lse == nullptr) != (a.score == nullptr))
+    return "the dense form takes index_lse, target and score together";
+  if ((a.index_lse == nullptr) == (a.dscore == nullptr)) return "give dscore or the dense form's inputs";
   return nullptr;
 }
 
@@ -1090,6 +1131,9 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
   const int variant = a.variant >= 0 ? a.variant : (a.h_i <= 32 ? 3 : 2);
+  if (a.index_lse != nullptr)  // the dense form: the default variants only
+    return a.h_i <= 32 ? LaunchBwdWgHi<32, true, true, true>(a, stream)
+                       : LaunchBwdWgHi<64, true, false, true>(a, stream);
   if (variant == 0) return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
   if (variant == 1)
     return a.h_i <= 32 ? LaunchBwdWgHi<32, false, false>(a, stream)

@@ -1,7 +1,8 @@
 // Standalone check of the KL-loss launch code without XLA, for compute-sanitizer and A/B timing
 // (development only; JAX_DSA_INDEXER_SELFTEST=ON builds it): random inputs, both kernels, every
 // error checked; the backward's variants (0: mma.sync, 1: wgmma, 2: wgmma with S of the next tile
-// overlapping the atomics, 3: 2 with d_ik added by bulk reductions) against a float64 reference.
+// overlapping the atomics, 3: 2 with d_ik added by bulk reductions) and its dense form (dscore
+// from the recomputed scores) against a float64 reference.
 //   ./kl_loss_selftest                      the cases below (exit status 1 on a failure)
 //   ./kl_loss_selftest --bench [S]          backward variants at S = S_q = S_kv (default 16384),
 //                                           32 and 64 index heads, K 2048: CUDA-event medians
@@ -50,6 +51,91 @@ double RelL2(const std::vector<float>& x, const std::vector<double>& ref) {
     den += ref[i] * ref[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The backward's dense form (BwdArgs::index_lse): dscore = exp(I - lse) - target formed in the
+// kernel, I written out; lse the float64 log-sum-exp over each row's valid slots, target random.
+int dense(const FwdArgs& a, const std::vector<__nv_bfloat16>& iq, const std::vector<__nv_bfloat16>& ik,
+          const std::vector<float>& w, const std::vector<int>& idx, int64_t t, int64_t nkv, int h_i,
+          int k, int s_q, int s_kv, std::mt19937& g) {
+  std::uniform_real_distribution<float> u;
+  auto f = [](__nv_bfloat16 x) { return double(__bfloat162float(x)); };
+  std::vector<double> r_score(t * k, -INFINITY), dots(t * k * h_i, 0.0);
+  std::vector<float> lse(t, 0.f), target(t * k);
+  for (auto& x : target) x = u(g) * 2e-3f;
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t bb = r / s_q;
+    double mx = -INFINITY;
+    for (int j = 0; j < k; ++j) {
+      const int i = idx[r * k + j];
+      if (i < 0 || i >= s_kv) continue;
+      double sc = 0;
+      for (int hh = 0; hh < h_i; ++hh) {
+        double s = 0;
+        for (int c = 0; c < 128; ++c) s += f(iq[(r * h_i + hh) * 128 + c]) * f(ik[(bb * s_kv + i) * 128 + c]);
+        dots[(r * k + j) * h_i + hh] = s;
+        sc += w[r * h_i + hh] * std::max(s, 0.0);
+      }
+      r_score[r * k + j] = sc;
+      mx = std::max(mx, sc);
+    }
+    double se = 0;
+    for (int j = 0; j < k; ++j) se += r_score[r * k + j] == -INFINITY ? 0.0 : std::exp(r_score[r * k + j] - mx);
+    lse[r] = se > 0 ? float(mx + std::log(se)) : 0.f;
+  }
+  std::vector<double> r_iq(t * h_i * 128, 0.0), r_ik(nkv * 128, 0.0), r_w(t * h_i, 0.0);
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t bb = r / s_q;
+    for (int j = 0; j < k; ++j) {
+      const int i = idx[r * k + j];
+      if (i < 0 || i >= s_kv) continue;
+      const double dd = std::exp(r_score[r * k + j] - lse[r]) - target[r * k + j];
+      const int64_t row = bb * s_kv + i;
+      for (int hh = 0; hh < h_i; ++hh) {
+        const double s = dots[(r * k + j) * h_i + hh];
+        r_w[r * h_i + hh] += dd * std::max(s, 0.0);
+        if (s <= 0) continue;
+        const double gg = dd * w[r * h_i + hh];
+        for (int c = 0; c < 128; ++c) {
+          r_iq[(r * h_i + hh) * 128 + c] += gg * f(ik[row * 128 + c]);
+          r_ik[row * 128 + c] += gg * f(iq[(r * h_i + hh) * 128 + c]);
+        }
+      }
+    }
+  }
+  BwdArgs b{a.iq, a.ik, a.w, a.idx, nullptr, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
+  b.index_lse = up(lse);
+  b.target = up(target);
+  CK(cudaMalloc(&b.score, t * k * 4));
+  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
+  CK(cudaMalloc(&b.d_ik, nkv * 128 * 4));
+  CK(cudaMalloc(&b.d_w, t * h_i * 4));
+  CK(cudaMemset(b.score, 0xFF, t * k * 4));  // poison: NaN
+  CK(cudaMemset(b.d_iq, 0xFF, t * h_i * 128 * 4));
+  CK(cudaMemset(b.d_w, 0xFF, t * h_i * 4));
+  if (const char* why = BwdUnsupported(b)) {
+    printf("unsupported: %s\n", why);
+    return 1;
+  }
+  CK(LaunchBwd(b, 0));
+  CK(cudaDeviceSynchronize());
+  const std::vector<float> sc = down(b.score, size_t(t * k));
+  double e_s = 0;  // max |I - ref| / (1 + |ref|); -inf exactly on invalid slots
+  for (int64_t i = 0; i < t * k; ++i) {
+    if (r_score[i] == -INFINITY)
+      e_s = std::max(e_s, sc[i] == -INFINITY ? 0.0 : 1.0);
+    else
+      e_s = std::max(e_s, std::isfinite(sc[i]) ? std::abs(sc[i] - r_score[i]) / (1 + std::abs(r_score[i])) : 1.0);
+  }
+  const double e_iq = RelL2(down(b.d_iq, size_t(t * h_i * 128)), r_iq);
+  const double e_ik = RelL2(down(b.d_ik, size_t(nkv * 128)), r_ik);
+  const double e_w = RelL2(down(b.d_w, size_t(t * h_i)), r_w);
+  const bool ok = e_s < 1e-5 && e_iq < 1e-2 && e_ik < 1e-2 && e_w < 1e-2;
+  printf("  bwd dense form: score %.2e, rel L2 d_iq %.2e d_ik %.2e d_w %.2e %s\n", e_s, e_iq, e_ik,
+         e_w, ok ? "ok" : "FAIL");
+  for (void* p : {(void*)b.index_lse, (void*)b.target, (void*)b.score, (void*)b.d_iq, (void*)b.d_ik, (void*)b.d_w})
+    CK(cudaFree(p));
+  return !ok;
 }
 
 int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int seed) {
@@ -146,6 +232,7 @@ int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int s
     CK(cudaFree(b.d_ik));
     CK(cudaFree(b.d_w));
   }
+  bad |= dense(a, iq, ik, w, idx, t, nkv, h_i, k, s_q, s_kv, g);
   printf("case nb=%d s_q=%d s_kv=%d h=%d d=%d h_i=%d k=%d seg=%d: mass sum (group 0) %.3f over %lld rows\n",
          nb, s_q, s_kv, h, d, h_i, k, int(seg), msum, (long long)t);
   return bad;

@@ -13,11 +13,15 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerTopkCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerTopkCudaNoGraph);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerTopkCudaInit);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerLseCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerLseCudaNoGraph);
 // The sparse KL loss (kl_loss_ffi.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlFwdCudaNoGraph);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCudaNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCudaNoGraph);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerScoreCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerScoreCudaNoGraph);
 // DeepSeek V4's KL loss: the forward with given denominators (kl_loss_ffi.cu).
@@ -33,6 +37,11 @@ NB_MODULE(_cuda_indexer, m) {
     topk["execute"] = nb::capsule(
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerTopkCuda : JaxDsaIndexerTopkCudaNoGraph));
     d["jax_dsa_indexer_topk_cuda"] = topk;
+    nb::dict lse;
+    lse["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaIndexerTopkCudaInit));
+    lse["execute"] = nb::capsule(
+        reinterpret_cast<void*>(graphs ? JaxDsaIndexerLseCuda : JaxDsaIndexerLseCudaNoGraph));
+    d["jax_dsa_indexer_lse_cuda"] = lse;
     nb::dict kl_fwd, kl_bwd;
     kl_fwd["execute"] = nb::capsule(
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerKlFwdCuda : JaxDsaIndexerKlFwdCudaNoGraph));
@@ -40,6 +49,10 @@ NB_MODULE(_cuda_indexer, m) {
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerKlBwdCuda : JaxDsaIndexerKlBwdCudaNoGraph));
     d["jax_dsa_indexer_kl_fwd_cuda"] = kl_fwd;
     d["jax_dsa_indexer_kl_bwd_cuda"] = kl_bwd;
+    nb::dict kl_dense_bwd;
+    kl_dense_bwd["execute"] = nb::capsule(reinterpret_cast<void*>(
+        graphs ? JaxDsaIndexerKlDenseBwdCuda : JaxDsaIndexerKlDenseBwdCudaNoGraph));
+    d["jax_dsa_indexer_kl_dense_bwd_cuda"] = kl_dense_bwd;
     nb::dict score;
     score["execute"] = nb::capsule(
         reinterpret_cast<void*>(graphs ? JaxDsaIndexerScoreCuda : JaxDsaIndexerScoreCudaNoGraph));
@@ -54,6 +67,10 @@ NB_MODULE(_cuda_indexer, m) {
     return jax_dsa::indexer::TopkWorkspaceBytes(s_kv, chunk_rows);
   }, nb::arg("s_kv"), nb::arg("chunk_rows"),
         "Bytes of indexer_topk's workspace result for S_kv keys and chunk_rows rows a chunk.");
+  m.def("index_lse_workspace_bytes", [](int64_t s_kv, int64_t s_q) {
+    return jax_dsa::indexer::IndexLseWorkspaceBytes(s_kv, s_q);
+  }, nb::arg("s_kv"), nb::arg("s_q"),
+        "Bytes of the index log-sum-exp's workspace result for S_kv keys and S_q rows.");
   m.def("topk_limits", []() {
     nb::dict d;
     d["head_dim"] = jax_dsa::indexer::kTopkHeadDim;

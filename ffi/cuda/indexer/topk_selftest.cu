@@ -133,10 +133,38 @@ static int RunCase(const Case& c, std::mt19937& rng) {
     }
   }
 
+  // The score kernel's log-sum-exp mode (LaunchIndexLse), checked in the first family's row loop.
+  std::vector<float> lse_v(nq);
+  {
+    const size_t lws = jax_dsa::indexer::IndexLseWorkspaceBytes(c.s_kv, c.s_q);
+    void *dlws, *dlse;
+    CHECK_CUDA(cudaMalloc(&dlws, lws));
+    CHECK_CUDA(cudaMalloc(&dlse, nq * 4));
+    CHECK_CUDA(cudaMemset(dlws, 0xff, lws));
+    CHECK_CUDA(cudaMemset(dlse, 0xff, nq * 4));  // poison: NaN
+    TopkLaunch a{dq, dk, static_cast<float*>(dw), static_cast<int32_t*>(dqp), static_cast<int32_t*>(dkp),
+                 static_cast<int32_t*>(dqs), static_cast<int32_t*>(dks), nullptr, dlws,
+                 c.nb, c.s_q, c.s_kv, c.h, 1, c.s_q, nullptr};
+    const char* what = "";
+    cudaError_t e = jax_dsa::indexer::LaunchIndexLse(a, static_cast<float*>(dlse), &what);
+    if (e != cudaSuccess) {
+      std::printf("%s: lse launch failed (%s): %s\n", c.name, what, cudaGetErrorString(e));
+      return 1;
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaMemcpy(lse_v.data(), dlse, nq * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(dlws));
+    CHECK_CUDA(cudaFree(dlse));
+  }
+  int bad_lse = 0;
+  bool lse_pending = true;
+
   int bad_rows = 0;
   long long ties_checked = 0;
   for (const std::vector<int32_t>& out : outs) {
     if (out.empty()) continue;
+    const bool check_lse = lse_pending;
+    lse_pending = false;
     std::vector<double> ref(c.s_kv), bound(c.s_kv);
     std::vector<char> vis(c.s_kv), chosen(c.s_kv);
     for (int b = 0; b < c.nb; ++b) {
@@ -160,6 +188,20 @@ static int RunCase(const Case& c, std::mt19937& rng) {
           }
           ref[s] = acc;
           bound[s] = absacc * 4e-5 + 1e-30;  // (128 * 2^-22 + 64 * 2^-23) * sum |w||q||k|
+        }
+        if (check_lse) {  // |lse - ref| within the largest visible score's bound
+          double mx = -INFINITY, se = 0, bmax = 0;
+          for (int s = 0; s < c.s_kv; ++s)
+            if (vis[s]) mx = std::max(mx, ref[s]), bmax = std::max(bmax, bound[s]);
+          for (int s = 0; s < c.s_kv; ++s)
+            if (vis[s]) se += std::exp(ref[s] - mx);
+          const float got = lse_v[row];
+          const bool ok_l = visible == 0 ? got == -INFINITY
+                                         : std::fabs(got - (mx + std::log(se))) <=
+                                               bmax + 1e-5 * std::fabs(mx) + 1e-6;
+          if (!ok_l && bad_lse++ < 3)
+            std::printf("%s: row %lld lse %.7g, float64 %.7g\n", c.name, (long long)row, got,
+                        visible ? mx + std::log(se) : -INFINITY);
         }
         const int kprime = std::min(visible, c.topk);
         std::fill(chosen.begin(), chosen.end(), 0);
@@ -192,10 +234,11 @@ static int RunCase(const Case& c, std::mt19937& rng) {
     }
   }
   for (void* p : {dq, dk, dw, dqp, dkp, dqs, dks, dout, dws}) CHECK_CUDA(cudaFree(p));
+  const bool bad = bad_rows || variant_mismatch || bad_lse;
   std::printf("%s: %s (%d of %lld rows wrong; %lld exact ties at the threshold left out; %d variants "
-              "differ)\n", c.name, (bad_rows || variant_mismatch) ? "FAIL" : "ok", bad_rows,
-              (long long)nq, ties_checked, variant_mismatch);
-  return (bad_rows || variant_mismatch) ? 1 : 0;
+              "differ; %d lse rows wrong)\n", c.name, bad ? "FAIL" : "ok", bad_rows,
+              (long long)nq, ties_checked, variant_mismatch, bad_lse);
+  return bad ? 1 : 0;
 }
 
 __device__ uint32_t Hash(uint64_t x) {
@@ -309,6 +352,28 @@ static int Bench() {
       std::printf(" %9.3f", ms);
     }
     std::printf("   %6.1f (whole %6.1f)\n", flops / (best * 1e-3) / 1e12, flops / (full * 1e-3) / 1e12);
+    {  // the log-sum-exp mode (the dense KL loss's normaliser)
+      void *dlws, *dlse;
+      CHECK_CUDA(cudaMalloc(&dlws, jax_dsa::indexer::IndexLseWorkspaceBytes(sh.s_kv, sh.s_q)));
+      CHECK_CUDA(cudaMalloc(&dlse, int64_t(sh.s_q) * 4));
+      TopkLaunch b = a;
+      b.workspace = dlws;
+      std::vector<float> t;
+      for (int r = 0; r < reps + 2; ++r) {
+        const char* what = "";
+        CHECK_CUDA(cudaEventRecord(e0));
+        CHECK_CUDA(jax_dsa::indexer::LaunchIndexLse(b, static_cast<float*>(dlse), &what));
+        CHECK_CUDA(cudaEventRecord(e1));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) t.push_back(ms);
+      }
+      const float ms = Median(t);
+      std::printf("%-28s index lse %9.3f ms, %6.1f TFLOP/s\n", sh.name, ms, flops / (ms * 1e-3) / 1e12);
+      CHECK_CUDA(cudaFree(dlws));
+      CHECK_CUDA(cudaFree(dlse));
+    }
     for (void* p : {dq, dk, dw, dqp, dkp, dseg, dout, dws}) CHECK_CUDA(cudaFree(p));
   }
   return 0;

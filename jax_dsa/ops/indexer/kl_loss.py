@@ -89,7 +89,9 @@ def indexer_kl_loss(
         returns for these ``indices``, or ``dense_mla``'s in the dense form). Given, the target
         is ``mean_h exp(sm_scale * q . kv - attention_lse)`` renormalised over ``S_t`` (equal to
         the above up to rounding) and is not recomputed from a softmax: ``"cuda"`` then takes
-        it from the attention kernel's target mode (one pass of ``Q K^T``, no ``P V``).
+        it from the attention kernel's target mode (one pass of ``Q K^T``, no ``P V``). In the
+        dense form ``"cuda"``'s gradients take the head mean as normalised (each head's
+        denominator over exactly the visible keys, as ``dense_mla`` without ``attn_sink``).
       index_scores: optional ``[..., S_q, K]`` float index scores ``I`` of the ``indices``
         slots, as :func:`~jax_dsa.ops.indexer.topk.indexer_topk` returns them with
         ``return_scores=True`` for the same ``index_q``, ``index_k``, ``index_weights`` and

@@ -27,16 +27,21 @@ operands; ``KLCall.dtype`` is the promoted dtype of all float inputs, float32 wi
 weights), ``index_weights`` stays float32, every product accumulates in float32. In the backward
 ``G = dI * w * 1[iq . ik > 0]`` is rounded to bfloat16 for its two tensor-core products.
 
-The dense form (``indices=None``, the warm-up stage) runs the same three kernels over chunks of
-``CHUNK`` key columns (``lax.scan``): each query's visible keys, ordered by (segment, position)
-as in :func:`jax_dsa.ops.dense_mla.cuda.dense_runs`, cut into chunks of 2048 that serve as slot
-lists (valid slots first, the target kernel stopping at each row's count, kernels A and B
-skipping empty tiles). The forward carries flash-style row statistics across the chunks (the
-target's total, ``sum p (log p - I)`` and the index score's running log-sum-exp) and saves the
-total and the log-sum-exp as residuals, so the backward is one more pass (target, score, kernel
-B per chunk). No buffer is larger than ``[S_q, CHUNK]``. The denominators are
-``attention_lse`` when given (``dense_mla``'s lse), else the dense attention forward's
-(``jax_dsa.ops.dense_mla.cuda.cuda_dense_forward``, run once more per pass).
+The dense form (``indices=None``, the warm-up stage) runs over chunks of ``CHUNK`` key columns
+(``lax.scan``): each query's visible keys, ordered by (segment, position) as in
+:func:`jax_dsa.ops.dense_mla.cuda.dense_runs`, cut into chunks of 2048 that serve as slot lists
+(valid slots first, the target kernel stopping at each row's count, the backward kernel skipping
+empty tiles). No buffer is larger than ``[S_q, CHUNK]``. The denominators are ``attention_lse``
+when given (``dense_mla``'s lse), else the dense attention forward's
+(``jax_dsa.ops.dense_mla.cuda.cuda_dense_forward``). Under differentiation
+(:func:`forward_with_grads`) the loss and the gradients come from two passes over the keys:
+first the index scores' log-sum-exp per row (``lse_I``; the top-k's score kernel storing no
+scores), then per chunk the target kernel and the backward kernel's dense form, which forms
+``dscore = exp(I - lse_I) - p`` from the scores it recomputes and returns them for the loss. The
+target ``p`` is the head sum of ``exp(sm_scale * q . kv - lse)`` divided by ``H``: each head's
+distribution over the visible keys sums to 1, so ``attention_lse`` must be the denominators over
+exactly those keys (no attention sink). The forward alone (no gradient) runs the target and score
+kernels per chunk with flash-style row statistics.
 
 Limits: ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` (local heads),
 ``index_n_heads <= 64``, ``K <= 2048`` (sparse form), an SM90 GPU.
@@ -51,12 +56,14 @@ import numpy as np
 from jax_dsa.ops.dense_mla.cuda import cuda_dense_forward, dense_runs
 from jax_dsa.ops.indexer.common import masked_log_softmax, visible_mask
 from jax_dsa.ops.indexer.config import KLCall
+from jax_dsa.ops.indexer.topk_cuda import index_lse_call
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.ops.sparse_mla.cuda import cuda_target
 
 FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
 SCORE_TARGET = "jax_dsa_indexer_score_cuda"
 BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
+DENSE_BWD_TARGET = "jax_dsa_indexer_kl_dense_bwd_cuda"
 MODULE = "_cuda_indexer"
 KERNEL_D_QK = (512, 576)
 INDEX_HEAD_DIM = 128
@@ -199,9 +206,43 @@ def backward_kernel(iq, ik, iw, idx, dscore):
             d_w.reshape(nb, s_q, h_i))
 
 
+def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
+    """``log sum exp`` of the index scores over each query's visible keys ``[NB, S_q]`` float32
+    (``-inf`` for none): the top-k's score kernel with no scores stored
+    (:func:`jax_dsa.ops.indexer.topk_cuda.index_lse_call`)."""
+    return index_lse_call(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
+    """The backward kernel's dense form: ``(d_iq, d_ik, d_w, score)`` float32 for
+    ``dscore = exp(I - index_lse) - target`` on the valid slots of ``idx`` (every one visible),
+    ``I`` recomputed by the kernel and returned as ``score [NB, S_q, K]`` (``-inf`` on invalid
+    slots); ``target [NB, S_q, K]``, ``index_lse [NB, S_q]``."""
+    nb, s_q, h_i, d_i = iq.shape
+    s_kv, k = ik.shape[1], idx.shape[-1]
+    t = nb * s_q
+    bf = jnp.bfloat16
+    call = jax.ffi.ffi_call(
+        DENSE_BWD_TARGET,
+        (jax.ShapeDtypeStruct((t, h_i, d_i), jnp.float32),
+         jax.ShapeDtypeStruct((nb * s_kv, d_i), jnp.float32),
+         jax.ShapeDtypeStruct((t, h_i), jnp.float32),
+         jax.ShapeDtypeStruct((t, k), jnp.float32)),
+        vmap_method="sequential",
+    )
+    d_iq, d_ik, d_w, score = call(
+        iq.astype(bf).reshape(t, h_i, d_i), ik.astype(bf).reshape(nb * s_kv, d_i),
+        iw.astype(jnp.float32).reshape(t, h_i), idx.astype(jnp.int32).reshape(t, k),
+        target.astype(jnp.float32).reshape(t, k), index_lse.astype(jnp.float32).reshape(t),
+        s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    return (d_iq.reshape(nb, s_q, h_i, d_i), d_ik.reshape(nb, s_kv, d_i),
+            d_w.reshape(nb, s_q, h_i), score.reshape(nb, s_q, k))
+
+
 # The kernels this module calls (tests swap in the pure-JAX references below on CPU).
 KERNELS = {"forward": forward_kernel, "backward": backward_kernel, "score": score_kernel,
-           "target": target_kernel, "dense_lse": dense_lse_kernel}
+           "target": target_kernel, "dense_lse": dense_lse_kernel,
+           "index_lse": index_lse_kernel, "dense_backward": dense_backward_kernel}
 
 
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
@@ -266,6 +307,30 @@ def reference_dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale)
     vis = visible_mask(q_pos, kv_pos, q_seg, kv_seg)[:, :, None, :]
     lse = jax.nn.logsumexp(jnp.where(vis, logits, -jnp.inf), axis=-1)
     return jnp.where(jnp.any(vis, axis=-1), lse, jnp.inf)
+
+
+def reference_index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
+    """:func:`index_lse_kernel`'s contract in pure JAX (``[NB, S_q, H_I, S_kv]`` dots: small
+    shapes only; for tests)."""
+    f32, bf = jnp.float32, jnp.bfloat16
+    dots = jnp.einsum("bshd,btd->bsht", iq.astype(bf).astype(f32), ik.astype(bf).astype(f32),
+                      precision=jax.lax.Precision.HIGHEST)
+    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), iw.astype(f32),
+                       precision=jax.lax.Precision.HIGHEST)
+    vis = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+    return jax.nn.logsumexp(jnp.where(vis, score, -jnp.inf), axis=-1)
+
+
+def reference_dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
+    """:func:`dense_backward_kernel`'s contract in pure JAX (small shapes only; for tests)."""
+    s_kv = ik.shape[1]
+    valid = (idx >= 0) & (idx < s_kv)
+    zeros = jnp.zeros  # positions that make every valid slot visible
+    score = reference_score_kernel(iq, ik, iw, zeros(idx.shape[:2], jnp.int32),
+                                   zeros((idx.shape[0], s_kv), jnp.int32), None, None,
+                                   iq[..., :1], ik[..., :1], idx)
+    dscore = jnp.where(valid, jnp.exp(score - index_lse[..., None]) - target, 0)
+    return reference_backward_kernel(iq, ik, iw, idx, dscore) + (score,)
 
 
 def reference_backward_kernel(iq, ik, iw, idx, dscore):
@@ -392,32 +457,50 @@ def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
     lse_i = jnp.where(ok, mx + jnp.log(jnp.where(ok, se, 1)), 0)
     # KL = sum p^ (log p^ - I + lse_I) with p^ = mass / total
     kl = jnp.where(ok, cross / total - jnp.log(total) + lse_i, 0)
-    return (jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1),
-            jnp.stack([total, lse_i], axis=-1))
+    return jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1)
 
 
-def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
-                    residuals):
-    total, lse_i = residuals[..., 0], residuals[..., 1]
-    g = g.astype(jnp.float32)[:, None, None]
+def _dense_forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                              config):
+    """The dense form's loss and gradients in two passes over the keys (see the module
+    docstring): the index scores' log-sum-exp, then per chunk the target and the dense
+    backward kernel (which recomputes the scores and returns them for the loss)."""
+    if lse is None:
+        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
+    lse_i = KERNELS["index_lse"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
+    lse_i = jnp.where(lse_i == -jnp.inf, 0, lse_i)  # rows without keys: no slot reads it
 
-    def step(carry, idx, mass, score):
-        support = score != -jnp.inf
-        pi = exp_from(score, lse_i[..., None])
-        dscore = jnp.where(support, g * (pi - mass / total[..., None]), 0)
-        return tuple(a + b for a, b in zip(carry, KERNELS["backward"](iq, ik, iw, idx, dscore)))
+    def step(carry, idx, n):
+        cross, tot, *grads = carry
+        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
+        mass = jnp.where(idx >= 0, mass, 0)  # columns past n: unwritten
+        if layout.heads:
+            mass = jax.lax.psum(mass, layout.heads)
+        # Each head's probabilities over the visible keys sum to 1: the head mean is mass / H.
+        p = mass / jnp.float32(config.h)
+        *chunk_grads, score = KERNELS["dense_backward"](iq, ik, iw, idx, p, lse_i)
+        pos = p > 0
+        cross = cross + jnp.sum(
+            jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1)) - score), 0), axis=-1)
+        return (cross, tot + jnp.sum(p, axis=-1), *(a + b for a, b in zip(grads, chunk_grads)))
 
     f32 = jnp.float32
-    init = (jnp.zeros(iq.shape, f32), jnp.zeros(ik.shape, f32), jnp.zeros(iw.shape, f32))
-    grads, _ = _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config,
-                             step, init)
-    return grads
+    zero = jnp.zeros(iq.shape[:2], f32)
+    init = (zero, zero, jnp.zeros(iq.shape, f32), jnp.zeros(ik.shape, f32),
+            jnp.zeros(iw.shape, f32))
+    (cross, tot, *grads), count = scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, kv.shape[1],
+                                                    step, init)
+    has = count > 0
+    # KL = sum p (log p - I + lse_I); its gradient in I is exp(I - lse_I) sum(p) - p, with
+    # sum(p) = 1 up to rounding (taken as 1 by the kernel).
+    kl = jnp.where(has, cross + lse_i * tot, 0)
+    return (jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1), tuple(grads))
 
 
 def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
-    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows (and
-    for the dense form the backward's residuals ``[NB, S_q, 2]``). ``rest``: the slots (after
-    ``attention_lse`` when given; ``None`` in the dense form), then the :class:`KLConfig`."""
+    """Per batch element of this shard: ``(kl_sum [NB], row_count [NB])`` over its rows.
+    ``rest``: the slots (after ``attention_lse`` when given; ``None`` in the dense form), then
+    the :class:`KLConfig`."""
     *rest, config = rest
     _check(q)
     if rest[-1] is None:
@@ -435,15 +518,22 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
             jnp.sum(has.astype(jnp.int32), axis=-1))
 
 
-def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest, residuals=None):
-    """``(d index_q, d index_k, d index_weights)`` in float32 for cotangent ``g [NB]`` of the
-    KL sums (``d index_k`` a partial sum over this shard's rows)."""
+def forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
+    """The dense form under differentiation: ``(kl_sum [NB], row_count [NB], (d index_q,
+    d index_k, d index_weights))``, the gradients float32 for a unit cotangent of each batch
+    element's KL sum (``d index_k`` a partial sum over this shard's rows)."""
     *rest, config = rest
     _check(q)
-    if rest[-1] is None:
-        lse = rest[0] if config.given_lse else None
-        return _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
-                               config, residuals)
+    lse = rest[0] if config.given_lse else None
+    return _dense_forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
+                                     config)
+
+
+def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
+    """The sparse form's ``(d index_q, d index_k, d index_weights)`` in float32 for cotangent
+    ``g [NB]`` of the KL sums (``d index_k`` a partial sum over this shard's rows)."""
+    *rest, config = rest
+    _check(q)
     p, score, idx = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
                                       rest, config)
     support = score != -jnp.inf
@@ -454,4 +544,5 @@ def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest, 
     return KERNELS["backward"](iq, ik, iw, idx, dscore)
 
 
-IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",))
+IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",),
+                                forward_with_grads=forward_with_grads)

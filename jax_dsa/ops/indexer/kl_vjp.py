@@ -12,6 +12,12 @@ over the local rows, reduced here), and in its backward the gradients for ``inde
 A forward may also return per-row residuals ``[NB, S_q, R]`` float32 (e.g. the dense form's
 softmax statistics, so that its backward needs one pass over the keys instead of two); they
 reach its backward as ``residuals=``. A forward that returns two results saves none.
+
+In the dense form (no slots) an implementation with ``forward_with_grads`` computes the
+gradients in its forward instead (``(kl_sum, row_count, (d index_q, d index_k,
+d index_weights))`` for a unit cotangent of each batch element's KL sum): its backward pass
+would repeat the forward's passes over every key. The gradients are saved in the index tensors'
+dtypes and scaled by the cotangent in the backward.
 """
 
 from __future__ import annotations
@@ -57,6 +63,15 @@ def _kl(name, config, roles, *args):
 
 
 def _kl_fwd(name, config, roles, *args):
+    impl = config.implementation
+    if args[-1] is None and impl.forward_with_grads is not None:  # the dense form
+        def local(layout, *a):
+            kl, count, grads = impl.forward_with_grads(layout, *a, config)
+            return (kl, count) + tuple(grads)
+
+        kl, count, *grads = partitioned_call(name, local, args, roles, RESULTS[:2] + GRAD_RESULTS)
+        grads = tuple(typed_like(g.astype(x.dtype), x) for g, x in zip(grads, args))
+        return (kl, count), (args, grads)
     kl, count, residuals = _forward(name, config, roles, args)
     return (kl, count), (args, residuals)
 
@@ -64,6 +79,11 @@ def _kl_fwd(name, config, roles, *args):
 def _kl_bwd(name, config, roles, saved, cotangents):
     impl = config.implementation
     args, residuals = saved
+    if isinstance(residuals, tuple):  # gradients from forward_with_grads, per batch element
+        g = cotangents[0]
+        grads = tuple(typed_like(d * g.reshape(g.shape + (1,) * (d.ndim - 1)).astype(d.dtype), x)
+                      for d, x in zip(residuals, args))
+        return grads + (None,) * (len(args) - 3)
     if residuals.shape[-1]:
         local = lambda layout, g, r, *a: impl.backward(layout, g, *a, config, residuals=r)
         operands, grad_roles = (cotangents[0], residuals) + args, ("b", "bs.") + roles

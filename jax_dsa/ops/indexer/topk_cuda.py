@@ -32,6 +32,7 @@ from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device
 
 MODULE = "_cuda_indexer"
 TARGET = "jax_dsa_indexer_topk_cuda"
+LSE_TARGET = "jax_dsa_indexer_lse_cuda"  # the scores' log-sum-exp per row (no top-k)
 KERNEL_HEAD_DIM = 128
 KERNEL_HEADS = (32, 64)  # index heads are padded to one of these
 MAX_TOPK = 2048
@@ -123,28 +124,68 @@ def topk_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, topk: int, k_scale=No
     missing = module_error()
     if missing is not None:
         raise NotImplementedError("indexer_topk: " + missing)
-    hp = padded_heads(h)
     if fp8:  # e4m3 times 2^e: exact in bfloat16 (8 bits of mantissa, float32's exponents)
         k = k.astype(jnp.float32) * k_scale.astype(jnp.float32)[..., None]
+    operands = _kernel_operands(q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
+    rows = chunk_rows(s_q, s_kv)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct((nb, s_q, topk), jnp.int32),
+         jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8),
+         jax.ShapeDtypeStruct((nb, s_q, topk) if with_scores else (0, 0, 0), jnp.float32)),
+        vmap_method="sequential",
+    )
+    return call(*operands, chunk_rows=np.int64(rows))
+
+
+def _kernel_operands(q, k, weights, q_pos, kv_pos, q_seg, kv_seg):
+    """The score kernel's operands: bf16 ``q``, ``k`` with the heads padded (zero q and zero
+    weight: each padded head adds exactly 0), float32 weights, int32 positions and segment ids
+    (zeros for none)."""
+    h = q.shape[2]
+    hp = padded_heads(h)
     q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     weights = weights.astype(jnp.float32)
-    if hp > h:  # zero q and zero weight: each padded head adds exactly 0
+    if hp > h:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, 0), (0, hp - h)))
     i32 = jnp.int32
     if q_seg is None:
         q_seg = jnp.zeros(q_pos.shape, i32)
         kv_seg = jnp.zeros(kv_pos.shape, i32)
-    rows = chunk_rows(s_q, s_kv)
+    return (q, k, weights, q_pos.astype(i32), kv_pos.astype(i32), q_seg.astype(i32),
+            kv_seg.astype(i32))
+
+
+def index_lse_workspace_bytes(s_kv: int, s_q: int) -> int:
+    """Bytes of :func:`index_lse_call`'s workspace (ffi/cuda/indexer/indexer_topk.h
+    IndexLseWorkspaceBytes): partials ``[max(S_q, 8192)]`` float2, row ranges ``[S_q]`` int2,
+    key-tile stats ``[ld / 64]`` int4, each 256-byte aligned."""
+    ld = _round_up(s_kv, KEY_TILE)
+    return (_round_up(max(s_q, 8192) * 8, 256) + _round_up(s_q * 8, 256)
+            + _round_up(ld // KEY_TILE * 16, 256))
+
+
+def index_lse_call(q, k, weights, q_pos, kv_pos, q_seg, kv_seg):
+    """``log sum_s exp(I[t, s])`` over each query's visible keys, ``[NB, S_q]`` float32 (``-inf``
+    for a query that sees no key), with the scores ``I`` of :func:`topk_call` (the same kernel,
+    bitwise the same scores, none stored: memory O(S)). Shapes as :func:`topk_call`; no top-k
+    limit applies. The dense indexer KL loss's normaliser."""
+    nb, s_q, h, d = q.shape
+    s_kv = k.shape[1]
+    why = shape_error(jnp.result_type(q, k, weights), h, d, s_kv, 1)
+    if why:
+        raise ValueError("indexer_kl_loss: " + why)
+    missing = module_error()
+    if missing is not None:
+        raise NotImplementedError("indexer_kl_loss: " + missing)
     call = jax.ffi.ffi_call(
-        TARGET,
-        (jax.ShapeDtypeStruct((nb, s_q, topk), i32),
-         jax.ShapeDtypeStruct((workspace_bytes(s_kv, rows),), jnp.uint8),
-         jax.ShapeDtypeStruct((nb, s_q, topk) if with_scores else (0, 0, 0), jnp.float32)),
+        LSE_TARGET,
+        (jax.ShapeDtypeStruct((nb, s_q), jnp.float32),
+         jax.ShapeDtypeStruct((index_lse_workspace_bytes(s_kv, s_q),), jnp.uint8)),
         vmap_method="sequential",
     )
-    return call(q, k, weights, q_pos.astype(i32), kv_pos.astype(i32),
-                q_seg.astype(i32), kv_seg.astype(i32), chunk_rows=np.int64(rows))
+    return call(*_kernel_operands(q, k, weights, q_pos, kv_pos, q_seg, kv_seg))[0]
 
 
 def forward(q, k, weights, q_pos, kv_pos, q_seg, kv_seg, k_scale, config: TopkConfig):
