@@ -427,7 +427,7 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
   if (tid == 0) {
     for (int i = 0; i < STAGES; ++i) {
       MbarInit(SmemAddr(&full_bar[i]), 128);  // the producer's threads
-      MbarInit(SmemAddr(&empty_bar[i]), 8);   // lane 0 of each consumer warp
+      MbarInit(SmemAddr(&empty_bar[i]), 256);  // every consumer thread
     }
   }
   // (CtaTileRange's barriers order the initialisation above before any use)
@@ -535,10 +535,11 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
     WgCommit();
     WgFenceOperand(acc);
   };
-  auto release = [&](int it) {
-    __syncwarp();
-    if (lane == 0) MbarArrive(SmemAddr(&empty_bar[it % STAGES]));
-  };
+  // Every consumer thread arrives once it has read the stage (its positions with KVSMEM), so
+  // that the producer's refill is ordered after each thread's reads by the mbarrier alone
+  // (racecheck, topk_selftest: 0 hazards; one arrival a warp after __syncwarp gave 17 reports
+  // there, and the same time at 32 heads: benchmarks/NOTES.md).
+  auto release = [&](int it) { MbarArrive(SmemAddr(&empty_bar[it % STAGES])); };
   auto finish = [&](float (&acc)[64], int it) {
     WgFenceOperand(acc);
     const int j = j0 + it;
