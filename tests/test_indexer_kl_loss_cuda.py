@@ -505,6 +505,15 @@ def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
     assert "stablehlo.while" in text
     assert f"tensor<{s}x2048xf32>" in text  # the chunk
     assert not re.search(rf"tensor<(\d+x)*{s}x{s}(x\d+)*x", text)
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) -> (.*)", text)
+    (_, _, attrs, operands, results), = [c for c in calls if c[0] == kl_loss_cuda.DENSE_BWD_TARGET]
+    assert operands.split(", ") == [f"tensor<{s}x{h_i}x128xbf16>", f"tensor<{s}x128xbf16>",
+                                    f"tensor<{s}x{h_i}xf32>", f"tensor<{s}x2048xi32>",
+                                    f"tensor<{s}x2048xf32>", f"tensor<{s}xf32>"], operands
+    for want in (f"tensor<{s}x{h_i}x128xf32>", f"tensor<{s}x128xf32>", f"tensor<{s}x{h_i}xf32>",
+                 f"tensor<{s}x2048xf32>"):
+        assert want in results, (want, results)
+    assert "s_q" in attrs and "s_kv" in attrs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -246,32 +246,31 @@ ffi::Error DenseBackward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq,
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
       JAX_DSA_KL_FWD_ATTRS
 
-#define JAX_DSA_KL_BWD_BINDING                                 \
+// The operands the backward targets share (the dense form adds index_lse and score).
+#define JAX_DSA_KL_BWD_ARGS                                    \
   ffi::Ffi::Bind()                                             \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
       .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
       .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
       .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
       .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* dscore */           \
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* dscore or target */
+
+#define JAX_DSA_KL_BWD_RETS                                    \
       .Ret<ffi::Buffer<ffi::F32, 3>>()  /* d_index_q */        \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_k */        \
-      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_weights */  \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_weights */
+
+#define JAX_DSA_KL_BWD_BINDING                                 \
+  JAX_DSA_KL_BWD_ARGS                                          \
+      JAX_DSA_KL_BWD_RETS                                      \
       .Attr<int64_t>("s_q")                                    \
       .Attr<int64_t>("s_kv")
 
 #define JAX_DSA_KL_DENSE_BWD_BINDING                           \
-  ffi::Ffi::Bind()                                             \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* index_q */          \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* index_k */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* index_weights */    \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* target */           \
+  JAX_DSA_KL_BWD_ARGS                                          \
       .Arg<ffi::Buffer<ffi::F32, 1>>()  /* index_lse */        \
-      .Ret<ffi::Buffer<ffi::F32, 3>>()  /* d_index_q */        \
-      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_k */        \
-      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* d_index_weights */  \
+      JAX_DSA_KL_BWD_RETS                                      \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
       .Attr<int64_t>("s_q")                                    \
       .Attr<int64_t>("s_kv")

@@ -133,7 +133,8 @@ ffi::Error IndexLse(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffe
 }  // namespace indexer
 }  // namespace jax_dsa
 
-#define JAX_DSA_INDEXER_TOPK_BINDING                \
+// The score inputs (both targets).
+#define JAX_DSA_INDEXER_SCORE_ARGS                  \
   ffi::Ffi::Bind()                                  \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()     \
       .Arg<ffi::Buffer<ffi::BF16, 4>>() /* q */      \
@@ -142,7 +143,10 @@ ffi::Error IndexLse(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffe
       .Arg<ffi::Buffer<ffi::S32, 2>>()  /* q_pos */  \
       .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_pos */ \
       .Arg<ffi::Buffer<ffi::S32, 2>>()  /* q_seg */  \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_seg */ \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_seg */
+
+#define JAX_DSA_INDEXER_TOPK_BINDING                \
+  JAX_DSA_INDEXER_SCORE_ARGS                        \
       .Ret<ffi::Buffer<ffi::S32, 3>>()  /* indices */ \
       .Ret<ffi::Buffer<ffi::U8, 1>>()   /* workspace */ \
       .Ret<ffi::Buffer<ffi::F32, 3>>()  /* scores */ \
@@ -163,15 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerTopkCudaInit, jax_dsa::indexer::TopkI
 // The index scores' log-sum-exp (jax_dsa_indexer_lse_cuda): the top-k's inputs; results
 // lse [NB, S_q] f32 and workspace [IndexLseWorkspaceBytes(S_kv, S_q)] u8.
 #define JAX_DSA_INDEXER_LSE_BINDING                 \
-  ffi::Ffi::Bind()                                  \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()     \
-      .Arg<ffi::Buffer<ffi::BF16, 4>>() /* q */      \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* k */      \
-      .Arg<ffi::Buffer<ffi::F32, 3>>()  /* w */      \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* q_pos */  \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_pos */ \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* q_seg */  \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* kv_seg */ \
+  JAX_DSA_INDEXER_SCORE_ARGS                        \
       .Ret<ffi::Buffer<ffi::F32, 2>>()  /* lse */    \
       .Ret<ffi::Buffer<ffi::U8, 1>>()   /* workspace */
 

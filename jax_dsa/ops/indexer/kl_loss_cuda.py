@@ -182,28 +182,29 @@ def dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
                               d_v=d_v)[1]
 
 
-def backward_kernel(iq, ik, iw, idx, dscore):
-    """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
-    ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support)."""
+def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False):
+    """A backward-kernel custom call on flattened batches: ``(d_iq, d_ik, d_w)`` (and with
+    ``score`` the slots' scores ``[NB, S_q, K]``) float32, shaped like ``iq``, ``ik``, ``iw``;
+    ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands."""
     nb, s_q, h_i, d_i = iq.shape
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
-    bf = jnp.bfloat16
-    call = jax.ffi.ffi_call(
-        BWD_TARGET,
-        (jax.ShapeDtypeStruct((t, h_i, d_i), jnp.float32),
-         jax.ShapeDtypeStruct((nb * s_kv, d_i), jnp.float32),
-         jax.ShapeDtypeStruct((t, h_i), jnp.float32)),
-        vmap_method="sequential",
-    )
-    d_iq, d_ik, d_w = call(iq.astype(bf).reshape(t, h_i, d_i),
-                           ik.astype(bf).reshape(nb * s_kv, d_i),
-                           iw.astype(jnp.float32).reshape(t, h_i),
-                           idx.astype(jnp.int32).reshape(t, k),
-                           dscore.astype(jnp.float32).reshape(t, k),
-                           s_q=np.int64(s_q), s_kv=np.int64(s_kv))
-    return (d_iq.reshape(nb, s_q, h_i, d_i), d_ik.reshape(nb, s_kv, d_i),
-            d_w.reshape(nb, s_q, h_i))
+    bf, f32 = jnp.bfloat16, jnp.float32
+    shapes = ((t, h_i, d_i), (nb * s_kv, d_i), (t, h_i)) + (((t, k),) if score else ())
+    call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct(x, f32) for x in shapes),
+                            vmap_method="sequential")
+    out = call(iq.astype(bf).reshape(t, h_i, d_i), ik.astype(bf).reshape(nb * s_kv, d_i),
+               iw.astype(f32).reshape(t, h_i), idx.astype(jnp.int32).reshape(t, k),
+               per_slot.astype(f32).reshape(t, k), *(x.astype(f32).reshape(t) for x in extra),
+               s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+    shaped = (iq.shape, ik.shape, iw.shape) + ((idx.shape,) if score else ())
+    return tuple(o.reshape(x) for o, x in zip(out, shaped))
+
+
+def backward_kernel(iq, ik, iw, idx, dscore):
+    """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
+    ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support)."""
+    return _backward_call(BWD_TARGET, iq, ik, iw, idx, dscore)
 
 
 def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
@@ -218,25 +219,7 @@ def dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
     ``dscore = exp(I - index_lse) - target`` on the valid slots of ``idx`` (every one visible),
     ``I`` recomputed by the kernel and returned as ``score [NB, S_q, K]`` (``-inf`` on invalid
     slots); ``target [NB, S_q, K]``, ``index_lse [NB, S_q]``."""
-    nb, s_q, h_i, d_i = iq.shape
-    s_kv, k = ik.shape[1], idx.shape[-1]
-    t = nb * s_q
-    bf = jnp.bfloat16
-    call = jax.ffi.ffi_call(
-        DENSE_BWD_TARGET,
-        (jax.ShapeDtypeStruct((t, h_i, d_i), jnp.float32),
-         jax.ShapeDtypeStruct((nb * s_kv, d_i), jnp.float32),
-         jax.ShapeDtypeStruct((t, h_i), jnp.float32),
-         jax.ShapeDtypeStruct((t, k), jnp.float32)),
-        vmap_method="sequential",
-    )
-    d_iq, d_ik, d_w, score = call(
-        iq.astype(bf).reshape(t, h_i, d_i), ik.astype(bf).reshape(nb * s_kv, d_i),
-        iw.astype(jnp.float32).reshape(t, h_i), idx.astype(jnp.int32).reshape(t, k),
-        target.astype(jnp.float32).reshape(t, k), index_lse.astype(jnp.float32).reshape(t),
-        s_q=np.int64(s_q), s_kv=np.int64(s_kv))
-    return (d_iq.reshape(nb, s_q, h_i, d_i), d_ik.reshape(nb, s_kv, d_i),
-            d_w.reshape(nb, s_q, h_i), score.reshape(nb, s_q, k))
+    return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True)
 
 
 # The kernels this module calls (tests swap in the pure-JAX references below on CPU).
