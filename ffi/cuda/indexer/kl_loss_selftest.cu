@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kl_loss.h"
@@ -53,14 +54,96 @@ double RelL2(const std::vector<float>& x, const std::vector<double>& ref) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+double Bf64(__nv_bfloat16 x) { return double(__bfloat162float(x)); }
+
+// Kernel B's results in float64 (G unrounded) for dscore [T, K]; slots with an index outside
+// [0, s_kv) add nothing.
+struct RefGrads {
+  std::vector<double> iq, ik, w;
+};
+RefGrads RefBackward(const std::vector<__nv_bfloat16>& iq, const std::vector<__nv_bfloat16>& ik,
+                     const std::vector<float>& w, const std::vector<int>& idx,
+                     const std::vector<double>& ds, int64_t t, int64_t nkv, int h_i, int k, int s_q,
+                     int s_kv) {
+  RefGrads r{std::vector<double>(t * h_i * 128, 0.0), std::vector<double>(nkv * 128, 0.0),
+             std::vector<double>(t * h_i, 0.0)};
+  for (int64_t q = 0; q < t; ++q) {
+    const int64_t bb = q / s_q;
+    for (int j = 0; j < k; ++j) {
+      const int i = idx[q * k + j];
+      const double dd = ds[q * k + j];
+      if (i < 0 || i >= s_kv || dd == 0.0) continue;
+      const int64_t row = bb * s_kv + i;
+      for (int hh = 0; hh < h_i; ++hh) {
+        double s = 0;
+        for (int c = 0; c < 128; ++c) s += Bf64(iq[(q * h_i + hh) * 128 + c]) * Bf64(ik[row * 128 + c]);
+        r.w[q * h_i + hh] += dd * std::max(s, 0.0);
+        if (s <= 0) continue;
+        const double gg = dd * w[q * h_i + hh];
+        for (int c = 0; c < 128; ++c) {
+          r.iq[(q * h_i + hh) * 128 + c] += gg * Bf64(ik[row * 128 + c]);
+          r.ik[row * 128 + c] += gg * Bf64(iq[(q * h_i + hh) * 128 + c]);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// Launches kernel B with b's inputs into fresh (NaN-poisoned) results and prints their rel L2
+// against ref; with the dense form also checks its scores against ref_score (max |I - ref| /
+// (1 + |ref|); -inf exactly on invalid slots). Returns 1 on a failure.
+int CheckBwd(BwdArgs b, const RefGrads& ref, const std::vector<double>* ref_score, int64_t t,
+             int64_t nkv, const char* what) {
+  const int64_t h_i = b.h_i, k = b.k;
+  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
+  CK(cudaMalloc(&b.d_ik, nkv * 128 * 4));
+  CK(cudaMalloc(&b.d_w, t * h_i * 4));
+  CK(cudaMemset(b.d_iq, 0xFF, t * h_i * 128 * 4));  // poison: NaN
+  CK(cudaMemset(b.d_w, 0xFF, t * h_i * 4));
+  if (ref_score) {
+    CK(cudaMalloc(&b.score, t * k * 4));
+    CK(cudaMemset(b.score, 0xFF, t * k * 4));
+  }
+  if (const char* why = BwdUnsupported(b)) {
+    printf("unsupported: %s\n", why);
+    return 1;
+  }
+  CK(LaunchBwd(b, 0));
+  CK(cudaDeviceSynchronize());
+  double e_s = 0;
+  if (ref_score) {
+    const std::vector<float> sc = down(b.score, size_t(t * k));
+    for (int64_t i = 0; i < t * k; ++i) {
+      const double r = (*ref_score)[i];
+      if (r == -INFINITY)
+        e_s = std::max(e_s, sc[i] == -INFINITY ? 0.0 : 1.0);
+      else
+        e_s = std::max(e_s, std::isfinite(sc[i]) ? std::abs(sc[i] - r) / (1 + std::abs(r)) : 1.0);
+    }
+    CK(cudaFree(b.score));
+  }
+  const double e_iq = RelL2(down(b.d_iq, size_t(t * h_i * 128)), ref.iq);
+  const double e_ik = RelL2(down(b.d_ik, size_t(nkv * 128)), ref.ik);
+  const double e_w = RelL2(down(b.d_w, size_t(t * h_i)), ref.w);
+  const bool ok = e_s < 1e-5 && e_iq < 1e-2 && e_ik < 1e-2 && e_w < 1e-2;  // NaN fails the < tests
+  char score_err[32] = "";
+  if (ref_score) snprintf(score_err, sizeof(score_err), "score %.2e, ", e_s);
+  printf("  bwd %s: %srel L2 d_iq %.2e d_ik %.2e d_w %.2e %s\n", what, score_err, e_iq, e_ik, e_w,
+         ok ? "ok" : "FAIL");
+  CK(cudaFree(b.d_iq));
+  CK(cudaFree(b.d_ik));
+  CK(cudaFree(b.d_w));
+  return !ok;
+}
+
 // The backward's dense form (BwdArgs::index_lse): dscore = exp(I - lse) - target formed in the
 // kernel, I written out; lse the float64 log-sum-exp over each row's valid slots, target random.
 int dense(const FwdArgs& a, const std::vector<__nv_bfloat16>& iq, const std::vector<__nv_bfloat16>& ik,
           const std::vector<float>& w, const std::vector<int>& idx, int64_t t, int64_t nkv, int h_i,
           int k, int s_q, int s_kv, std::mt19937& g) {
   std::uniform_real_distribution<float> u;
-  auto f = [](__nv_bfloat16 x) { return double(__bfloat162float(x)); };
-  std::vector<double> r_score(t * k, -INFINITY), dots(t * k * h_i, 0.0);
+  std::vector<double> r_score(t * k, -INFINITY), ds(t * k, 0.0);
   std::vector<float> lse(t, 0.f), target(t * k);
   for (auto& x : target) x = u(g) * 2e-3f;
   for (int64_t r = 0; r < t; ++r) {
@@ -72,8 +155,7 @@ int dense(const FwdArgs& a, const std::vector<__nv_bfloat16>& iq, const std::vec
       double sc = 0;
       for (int hh = 0; hh < h_i; ++hh) {
         double s = 0;
-        for (int c = 0; c < 128; ++c) s += f(iq[(r * h_i + hh) * 128 + c]) * f(ik[(bb * s_kv + i) * 128 + c]);
-        dots[(r * k + j) * h_i + hh] = s;
+        for (int c = 0; c < 128; ++c) s += Bf64(iq[(r * h_i + hh) * 128 + c]) * Bf64(ik[(bb * s_kv + i) * 128 + c]);
         sc += w[r * h_i + hh] * std::max(s, 0.0);
       }
       r_score[r * k + j] = sc;
@@ -82,60 +164,17 @@ int dense(const FwdArgs& a, const std::vector<__nv_bfloat16>& iq, const std::vec
     double se = 0;
     for (int j = 0; j < k; ++j) se += r_score[r * k + j] == -INFINITY ? 0.0 : std::exp(r_score[r * k + j] - mx);
     lse[r] = se > 0 ? float(mx + std::log(se)) : 0.f;
+    for (int j = 0; j < k; ++j)
+      if (r_score[r * k + j] != -INFINITY) ds[r * k + j] = std::exp(r_score[r * k + j] - lse[r]) - target[r * k + j];
   }
-  std::vector<double> r_iq(t * h_i * 128, 0.0), r_ik(nkv * 128, 0.0), r_w(t * h_i, 0.0);
-  for (int64_t r = 0; r < t; ++r) {
-    const int64_t bb = r / s_q;
-    for (int j = 0; j < k; ++j) {
-      const int i = idx[r * k + j];
-      if (i < 0 || i >= s_kv) continue;
-      const double dd = std::exp(r_score[r * k + j] - lse[r]) - target[r * k + j];
-      const int64_t row = bb * s_kv + i;
-      for (int hh = 0; hh < h_i; ++hh) {
-        const double s = dots[(r * k + j) * h_i + hh];
-        r_w[r * h_i + hh] += dd * std::max(s, 0.0);
-        if (s <= 0) continue;
-        const double gg = dd * w[r * h_i + hh];
-        for (int c = 0; c < 128; ++c) {
-          r_iq[(r * h_i + hh) * 128 + c] += gg * f(ik[row * 128 + c]);
-          r_ik[row * 128 + c] += gg * f(iq[(r * h_i + hh) * 128 + c]);
-        }
-      }
-    }
-  }
+  const RefGrads ref = RefBackward(iq, ik, w, idx, ds, t, nkv, h_i, k, s_q, s_kv);
   BwdArgs b{a.iq, a.ik, a.w, a.idx, nullptr, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
   b.index_lse = up(lse);
   b.target = up(target);
-  CK(cudaMalloc(&b.score, t * k * 4));
-  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
-  CK(cudaMalloc(&b.d_ik, nkv * 128 * 4));
-  CK(cudaMalloc(&b.d_w, t * h_i * 4));
-  CK(cudaMemset(b.score, 0xFF, t * k * 4));  // poison: NaN
-  CK(cudaMemset(b.d_iq, 0xFF, t * h_i * 128 * 4));
-  CK(cudaMemset(b.d_w, 0xFF, t * h_i * 4));
-  if (const char* why = BwdUnsupported(b)) {
-    printf("unsupported: %s\n", why);
-    return 1;
-  }
-  CK(LaunchBwd(b, 0));
-  CK(cudaDeviceSynchronize());
-  const std::vector<float> sc = down(b.score, size_t(t * k));
-  double e_s = 0;  // max |I - ref| / (1 + |ref|); -inf exactly on invalid slots
-  for (int64_t i = 0; i < t * k; ++i) {
-    if (r_score[i] == -INFINITY)
-      e_s = std::max(e_s, sc[i] == -INFINITY ? 0.0 : 1.0);
-    else
-      e_s = std::max(e_s, std::isfinite(sc[i]) ? std::abs(sc[i] - r_score[i]) / (1 + std::abs(r_score[i])) : 1.0);
-  }
-  const double e_iq = RelL2(down(b.d_iq, size_t(t * h_i * 128)), r_iq);
-  const double e_ik = RelL2(down(b.d_ik, size_t(nkv * 128)), r_ik);
-  const double e_w = RelL2(down(b.d_w, size_t(t * h_i)), r_w);
-  const bool ok = e_s < 1e-5 && e_iq < 1e-2 && e_ik < 1e-2 && e_w < 1e-2;
-  printf("  bwd dense form: score %.2e, rel L2 d_iq %.2e d_ik %.2e d_w %.2e %s\n", e_s, e_iq, e_ik,
-         e_w, ok ? "ok" : "FAIL");
-  for (void* p : {(void*)b.index_lse, (void*)b.target, (void*)b.score, (void*)b.d_iq, (void*)b.d_ik, (void*)b.d_w})
-    CK(cudaFree(p));
-  return !ok;
+  const int bad = CheckBwd(b, ref, &r_score, t, nkv, "dense form");
+  CK(cudaFree((void*)b.index_lse));
+  CK(cudaFree((void*)b.target));
+  return bad;
 }
 
 int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int seed) {
@@ -182,55 +221,14 @@ int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int s
   double msum = 0;
   for (float x : m) msum += x;
 
-  // Backward reference in float64 (G unrounded).
-  std::vector<double> r_iq(t * h_i * 128, 0.0), r_ik(nkv * 128, 0.0), r_w(t * h_i, 0.0);
-  auto f = [](__nv_bfloat16 x) { return double(__bfloat162float(x)); };
-  for (int64_t r = 0; r < t; ++r) {
-    const int64_t bb = r / s_q;
-    for (int j = 0; j < k; ++j) {
-      const int i = idx[r * k + j];
-      const double dd = ds[r * k + j];
-      if (i < 0 || i >= s_kv || dd == 0.0) continue;
-      const int64_t row = bb * s_kv + i;
-      for (int hh = 0; hh < h_i; ++hh) {
-        double s = 0;
-        for (int c = 0; c < 128; ++c) s += f(iq[(r * h_i + hh) * 128 + c]) * f(ik[row * 128 + c]);
-        r_w[r * h_i + hh] += dd * std::max(s, 0.0);
-        if (s <= 0) continue;
-        const double gg = dd * w[r * h_i + hh];
-        for (int c = 0; c < 128; ++c) {
-          r_iq[(r * h_i + hh) * 128 + c] += gg * f(ik[row * 128 + c]);
-          r_ik[row * 128 + c] += gg * f(iq[(r * h_i + hh) * 128 + c]);
-        }
-      }
-    }
-  }
+  const RefGrads ref = RefBackward(iq, ik, w, idx, std::vector<double>(ds.begin(), ds.end()), t,
+                                   nkv, h_i, k, s_q, s_kv);
   int bad = 0;
   float* dsp = up(ds);
   for (int variant = 0; variant < kVariants; ++variant) {
     BwdArgs b{a.iq, a.ik, a.w, a.idx, dsp, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
     b.variant = variant;
-    CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
-    CK(cudaMalloc(&b.d_ik, nkv * 128 * 4));
-    CK(cudaMalloc(&b.d_w, t * h_i * 4));
-    CK(cudaMemset(b.d_iq, 0xFF, t * h_i * 128 * 4));  // poison: NaN
-    CK(cudaMemset(b.d_w, 0xFF, t * h_i * 4));
-    if (const char* why = BwdUnsupported(b)) {
-      printf("unsupported: %s\n", why);
-      return 1;
-    }
-    CK(LaunchBwd(b, 0));
-    CK(cudaDeviceSynchronize());
-    const double e_iq = RelL2(down(b.d_iq, size_t(t * h_i * 128)), r_iq);
-    const double e_ik = RelL2(down(b.d_ik, size_t(nkv * 128)), r_ik);
-    const double e_w = RelL2(down(b.d_w, size_t(t * h_i)), r_w);
-    const bool ok = e_iq < 1e-2 && e_ik < 1e-2 && e_w < 1e-2;  // std::isnan fails the < tests
-    bad |= !ok;
-    printf("  bwd variant %d: rel L2 d_iq %.2e d_ik %.2e d_w %.2e %s\n", variant, e_iq, e_ik, e_w,
-           ok ? "ok" : "FAIL");
-    CK(cudaFree(b.d_iq));
-    CK(cudaFree(b.d_ik));
-    CK(cudaFree(b.d_w));
+    bad |= CheckBwd(b, ref, nullptr, t, nkv, ("variant " + std::to_string(variant)).c_str());
   }
   bad |= dense(a, iq, ik, w, idx, t, nkv, h_i, k, s_q, s_kv, g);
   printf("case nb=%d s_q=%d s_kv=%d h=%d d=%d h_i=%d k=%d seg=%d: mass sum (group 0) %.3f over %lld rows\n",
