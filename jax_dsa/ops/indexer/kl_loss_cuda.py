@@ -40,8 +40,7 @@ scores), then per chunk the target kernel and the backward kernel's dense form, 
 ``dscore = exp(I - lse_I) - p`` from the scores it recomputes and returns them for the loss. The
 target ``p`` is the head sum of ``exp(sm_scale * q . kv - lse)`` divided by ``H``: each head's
 distribution over the visible keys sums to 1, so ``attention_lse`` must be the denominators over
-exactly those keys (no attention sink). The forward alone (no gradient) runs the target and score
-kernels per chunk with flash-style row statistics.
+exactly those keys (no attention sink). The forward alone (no gradient) runs the same passes.
 
 Limits: ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` (local heads),
 ``index_n_heads <= 64``, ``K <= 2048`` (sparse form), an SM90 GPU.
@@ -397,52 +396,6 @@ def scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, s_kv, step, init):
     return carry, count
 
 
-def _dense_chunks(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
-                  init):
-    """Runs ``carry = step(carry, idx, p, score)`` over the dense form's key chunks
-    (:func:`scan_dense_chunks`), ``p`` the target's head sum (every head shard's; 0 off the
-    support), ``score`` the index score (-inf off it). Returns ``(carry, visible key count
-    [NB, S_q])``."""
-    if lse is None:
-        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
-
-    def chunk(carry, idx, n):
-        score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
-        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
-        mass = jnp.where(score != -jnp.inf, mass, 0)  # columns past n: unwritten
-        if layout.heads:
-            mass = jax.lax.psum(mass, layout.heads)
-        return step(carry, idx, mass, score)
-
-    return scan_dense_chunks(q_pos, kv_pos, q_seg, kv_seg, kv.shape[1], chunk, init)
-
-
-def _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config):
-    rows = iq.shape[:2]
-
-    def step(carry, idx, mass, score):
-        total, cross, mx, se = carry
-        total = total + jnp.sum(mass, axis=-1)
-        pos = mass > 0
-        cross = cross + jnp.sum(
-            jnp.where(pos, mass * (jnp.log(jnp.where(pos, mass, 1)) - score), 0), axis=-1)
-        new = jnp.maximum(mx, jnp.max(score, axis=-1))
-        se = se * exp_from(mx, new) + jnp.sum(exp_from(score, new[..., None]), axis=-1)
-        return total, cross, new, se
-
-    zero = jnp.zeros(rows, jnp.float32)
-    (total, cross, mx, se), count = _dense_chunks(
-        layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config, step,
-        (zero, zero, jnp.full(rows, -jnp.inf, jnp.float32), zero))
-    has = count > 0
-    ok = has & (total > 0)
-    total = jnp.where(ok, total, 1)
-    lse_i = jnp.where(ok, mx + jnp.log(jnp.where(ok, se, 1)), 0)
-    # KL = sum p^ (log p^ - I + lse_I) with p^ = mass / total
-    kl = jnp.where(ok, cross / total - jnp.log(total) + lse_i, 0)
-    return jnp.sum(kl, axis=-1), jnp.sum(has.astype(jnp.int32), axis=-1)
-
-
 def _dense_forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
                               config):
     """The dense form's loss and gradients in two passes over the keys (see the module
@@ -486,9 +439,9 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
     the :class:`KLConfig`."""
     *rest, config = rest
     _check(q)
-    if rest[-1] is None:
-        lse = rest[0] if config.given_lse else None
-        return _dense_forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, config)
+    if rest[-1] is None:  # the same passes as under differentiation, the gradients unused
+        return forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest,
+                                  config)[:2]
     p, score, _ = _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv,
                                     rest, config)
     support = score != -jnp.inf
