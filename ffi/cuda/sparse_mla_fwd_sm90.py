@@ -410,7 +410,7 @@ class SparseMlaFwdSm90:
                     self._load_rows(mIdx, s, Int32(0), n_len, r_in, nxt)
                 # the Q room is free once the previous tile's last S is done
                 self._load_q(mQ, s, h0, ti, r_in, c_in, st.sQ.data_ptr().toint(), q_full,
-                             q_empty)
+                             q_empty, n_len)
                 if tidx == 0 and t + n_ctas < n_tiles:
                     # the next tile's row ids wait in L2, not HBM, when their turn comes (its Q
                     # is not prefetched: that ran slower at every kv size measured, 16-36 MiB;
@@ -515,9 +515,14 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def _load_q(self, mQ: cute.Tensor, s: Int32, h0: Int32, ti: Int32, r_in: Int32, c_in: Int32,
-                q_smem: Int32, q_full, q_empty):
-        """Copy the tile's 64 x D_qk Q rows into the Q room once the previous tile freed it."""
+                q_smem: Int32, q_full, q_empty, n_len: Int32):
+        """Copy the tile's 64 x D_qk Q rows into the Q room once the previous tile freed it.
+        A tile without slots (n_len 0: the dense chunks' rows that see none of a chunk) reads
+        no Q: the room is zero-filled, the barriers run as for any tile."""
         d = self.d
+        q_bytes = Int32(16)
+        if n_len == 0:
+            q_bytes = Int32(0)
         if ti > 0:
             cute.arch.mbarrier_wait(q_empty, (ti - 1) % 2)
         q_row0 = mQ.iterator.toint() + (Int64(s) * self.h + h0) * (d * 2)
@@ -527,7 +532,7 @@ class SparseMlaFwdSm90:
             for j in cutlass.range_constexpr(d // 64):
                 col = (c_in + 8 * j) * 8
                 _cp_async_16(q_smem + _swizzled_byte_offset(row, col, TILE_M),
-                             q_row0 + Int64(row * d + col) * 2, Int32(16), stream_once)
+                             q_row0 + Int64(row * d + col) * 2, q_bytes, stream_once)
         cute.arch.cp_async_mbarrier_arrive_noinc(q_full)
 
     @cute.jit

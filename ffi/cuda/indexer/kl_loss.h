@@ -38,7 +38,9 @@
 //     d_iq[t, hi] = sum_j G[hi, j] * ik[row_j]                       (registers, no atomics)
 //     d_ik[row_j] += sum_hi G[hi, j] * iq[t, hi]                     (fp32: bulk reductions or
 //                                                                     vector atomics)
-// On wgmma, one warpgroup a row (BwdArgs::variant says which of the kernels runs).
+// On wgmma, one warpgroup a row (BwdArgs::variant says which of the kernels runs); the dense
+// form at H_I <= 32 takes two neighbouring rows a warpgroup, so that a key shared by both lists
+// gets one d_ik reduction for the two.
 // dscore is 0 off the support (the caller's contract); slots with dscore == 0 or an index out of
 // [0, s_kv) add nothing. G is rounded to bf16 for the two tensor-core products (as FlashAttention
 // rounds dS); everything is accumulated in fp32. d_ik is zeroed by the handler (memset on XLA's
@@ -102,7 +104,9 @@ struct BwdArgs {
   // -1 (default): 3 for H_I <= 32, else 2. 3: the wgmma kernel with d_ik added by 512-byte bulk
   // reductions from shared memory (3 stages, two CTAs an SM at H_I 32, one at 64); 2: the same
   // with red.v4 atomics and 4 stages; 1: 2 without S of the next tile during the atomics; 0: the
-  // mma.sync kernel. 0-3 are selectable for A/B checks (kl_loss_selftest).
+  // mma.sync kernel. 0-3 are selectable for A/B checks (kl_loss_selftest). The dense form at
+  // H_I <= 32: -1 (default) two rows a CTA with bulk reductions, 5 the same with red.v4, 3 one
+  // row a CTA; above 32 index heads it runs one row a CTA with red.v4 whatever the variant.
   int variant = -1;
 };
 

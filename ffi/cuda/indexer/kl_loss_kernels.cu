@@ -730,7 +730,7 @@ template <int HI, int STAGES, bool BULK>
 struct BwdWgSmem {
   unsigned char ik[STAGES][kWgTileBytes];
   unsigned char iq[HI * kBRowBytes];
-  unsigned char gs[HI * 128];  // G [hi][slot] bf16, one 64-column block
+  unsigned char gs[HI * 128];  // G bf16: [hi][slot] (HI 32) or [slot][hi] (HI 64), 128-byte rows
   float ub[BULK ? kBTile * kUbStride : 4];  // BULK: U staged for the bulk reductions
   float w[HI];
   float dw_red[4][HI];
@@ -740,15 +740,26 @@ struct BwdWgSmem {
   // then rows [k_pad] int32 and dscore [k_pad] float32 (dynamic)
 };
 
+// The ring's depth: BULK's staging of U takes a stage's room (PAIR's two, at HI 64), so that two
+// CTAs fit an SM.
+constexpr int WgStages(bool bulk, bool pair) { return bulk ? (pair ? 2 : 3) : 4; }
+
 // DENSE: dscore is formed in the kernel from the recomputed score (BwdArgs::index_lse, ::target,
 // ::score): dscore[t, j] = exp(I[t, j] - index_lse[t]) - target[t, j] on the valid slots, and I is
 // written out. The head sum of I is each thread's heads in order, then the quad (xor 1, 2).
-template <int HI, bool PIPE, bool BULK, bool DENSE = false>
+// PAIR (DENSE, HI 64, H_I <= 32): rows 2c and 2c + 1 in one CTA, their index heads stacked as 64
+// "heads" (row r's head h at 32 r + h). Where the two rows' slot lists agree (each slot one key or
+// invalid in one of them: neighbouring rows of a dense chunk), S, G and dQ are the 64-head
+// products of one tile and U = sum over both rows, so that each key row gets one reduction for
+// both. Where they disagree (a document or batch boundary), the CTA runs twice, one row masked.
+template <int HI, bool PIPE, bool BULK, bool DENSE = false, bool PAIR = false>
 __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
   using namespace sm90;
-  constexpr int kWgStages = BULK ? 3 : 4;  // BULK: U's staging takes a stage's room
+  static_assert(!PAIR || (DENSE && HI == 64), "PAIR: the dense form at 64 stacked heads");
+  constexpr int kWgStages = WgStages(BULK, PAIR);
   constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
   constexpr int KK = HI / 16;  // k16 steps of (3)
+  constexpr int HR = PAIR ? 32 : HI;  // index heads a row
   extern __shared__ unsigned char smem_raw[];
   // The swizzle atoms (8 rows x 128 B) must start on 1024-byte boundaries.
   unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
@@ -757,46 +768,67 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
   const int n_all = int((k + kBTile - 1) / kBTile);
   const int k_pad = n_all * kBTile;
   int* rows = reinterpret_cast<int*>(base + sizeof(BwdWgSmem<HI, kWgStages, BULK>));
-  float* ds = reinterpret_cast<float*>(rows + k_pad);
+  float* ds = reinterpret_cast<float*>(rows + k_pad);  // !PAIR: dscore, or the dense target
+  uint8_t* vf = reinterpret_cast<uint8_t*>(rows + k_pad);  // PAIR: bit r, valid for row r
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   const int r0 = 16 * warp + g;  // this thread's accumulator rows: r0, r0 + 8
-  const int64_t t = blockIdx.x;
+  const int64_t t = PAIR ? 2 * int64_t(blockIdx.x) : blockIdx.x;  // (the first) query row
+  const bool has1 = PAIR && t + 1 < a.t;                            // PAIR: row t + 1 exists
   const int64_t b = t / a.s_q;
   const uint32_t s_iq = SmemU32(sm.iq), s_g = SmemU32(sm.gs), s_ik = SmemU32(sm.ik[0]);
 
-  for (int p = tid; p < HI * 16; p += kWgThreads) {  // iq[t], zero rows past H_I
-    const int r = p >> 4, c = p & 15;
-    const bool ok = r < a.h_i;
-    CpAsync16Zfill(s_iq + WgChunk(r, c, HI),
-                   a.iq + (t * a.h_i + (ok ? r : 0)) * kIndexHeadDim + c * 8, ok);
+  // Head c of the stacking: (row t + c / HR, head c % HR), absent past H_I or past T.
+  auto head_ok = [&](int c) { return c % HR < a.h_i && (c < HR || has1); };
+  auto head_at = [&](int c) { return (t + c / HR) * a.h_i + c % HR; };
+  auto load_iq = [&]() {  // iq[t] (and iq[t + 1]), zero rows past H_I
+    for (int p = tid; p < HI * 16; p += kWgThreads) {
+      const int r = p >> 4, c = p & 15;
+      const bool ok = head_ok(r);
+      CpAsync16Zfill(s_iq + WgChunk(r, c, HI),
+                     a.iq + (ok ? head_at(r) : t * a.h_i) * kIndexHeadDim + c * 8, ok);
+    }
+    CpAsyncCommit();
+  };
+  if constexpr (!PAIR) load_iq();
+  if (tid < HI) sm.w[tid] = head_ok(tid) ? a.w[head_at(tid)] : 0.f;
+  // PAIR: whether the rows' slot lists disagree somewhere (then one pass a row), and whether
+  // either row has a slot (the dense chunks' rows before a chunk have none: no copies then).
+  bool split = false, live = true;
+  if constexpr (PAIR) {
+    const int64_t b1 = (t + 1) / a.s_q;
+    bool bad = false, some = false;
+    for (int j = tid; j < k_pad; j += kWgThreads) {
+      float d;
+      const int x = BwdSlotDense(a, t, b, j, d);
+      const int y = has1 ? BwdSlotDense(a, t + 1, b1, j, d) : -1;
+      bad |= x >= 0 && y >= 0 && x != y;
+      some |= x >= 0 || y >= 0;
+      if (x < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
+      if (has1 && y < 0 && j < k) a.score[(t + 1) * k + j] = -INFINITY;
+    }
+    split = __syncthreads_or(bad);
+    live = __syncthreads_or(some);
+    if (live) load_iq();
   }
-  CpAsyncCommit();
-  if (tid < HI) sm.w[tid] = tid < a.h_i ? a.w[t * a.h_i + tid] : 0.f;
-  for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
-    float d;
-    const int row = DENSE ? BwdSlotDense(a, t, b, j, d) : BwdSlot(a, t, b, j, d);
-    rows[j] = row;
-    ds[j] = d;
-    if (DENSE && row < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
-    const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
-    if (lane == 0) sm.flags[j >> 5] = m != 0;
-  }
-  __syncthreads();
-  if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
-    const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
-    const unsigned m = __ballot_sync(0xffffffffu, act);
-    if (act) sm.tiles[__popc(m & ((1u << lane) - 1))] = lane;
-    if (lane == 0) sm.n_tiles = __popc(m);
-  }
-  __syncthreads();
-  const int n_act = sm.n_tiles;
-  const float lse_i = DENSE ? a.index_lse[t] : 0.f;
-  float wv[NA / 2];  // w of heads 8 j + 2 q4 + e, index 2 j + e
+  __syncthreads();  // w published
+  const float lse0 = DENSE ? a.index_lse[t] : 0.f;
+  const float lse1 = has1 ? a.index_lse[t + 1] : 0.f;
+  // w of heads 8 j + 2 q4 + e (index 2 j + e): in registers, or (PAIR, short of them) from
+  // shared memory at each use.
+  float wv[PAIR ? 1 : NA / 2];
+  if constexpr (!PAIR) {
 #pragma unroll
-  for (int j = 0; j < HI / 8; ++j)
+    for (int j = 0; j < HI / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) wv[2 * j + e] = sm.w[8 * j + 2 * q4 + e];
+      for (int e = 0; e < 2; ++e) wv[2 * j + e] = sm.w[8 * j + 2 * q4 + e];
+  }
+  auto w_of = [&](int i) {
+    if constexpr (PAIR)
+      return sm.w[8 * (i >> 1) + 2 * q4 + (i & 1)];
+    else
+      return wv[i];
+  };
 
   auto load_tile = [&](int stage, int tile) {
     const uint32_t dst = s_ik + stage * kWgTileBytes;
@@ -810,11 +842,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
                      a.ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + c * 8, row >= 0);
     }
   };
-#pragma unroll
-  for (int s = 0; s < kWgStages - 1; ++s) {
-    if (s < n_act) load_tile(s, sm.tiles[s]);
-    CpAsyncCommit();
-  }
+  int n_act = 0;  // this pass's active tiles
 
   float acc_q[2][NA];  // dQ^T: dims 64 mb + r0 (+8) x heads 8 j + 2 q4 + e
 #pragma unroll
@@ -848,50 +876,96 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     __syncthreads();
   };
   uint32_t ga[KK][4];  // (3)'s A fragments: k16 step kk = heads 16 kk..
+  // PAIR: the targets of slots r0, r0 + 8 of tile it, rows t, t + 1 (loaded a tile ahead).
+  float pt[4];
+  auto fetch_p = [&](int it) {
+    if constexpr (PAIR) {
+      if (it < n_act) {
+        const int j = sm.tiles[it] * kBTile + r0;
+        const uint8_t f_lo = vf[j], f_hi = vf[j + 8];
+        pt[0] = f_lo & 1 ? a.target[t * k + j] : 0.f;
+        pt[1] = f_hi & 1 ? a.target[t * k + j + 8] : 0.f;
+        pt[2] = f_lo & 2 ? a.target[(t + 1) * k + j] : 0.f;
+        pt[3] = f_hi & 2 ? a.target[(t + 1) * k + j + 8] : 0.f;
+      }
+    }
+  };
   // G^T = dscore * w * (S > 0) from S(it), to registers and to shared memory; d_w += dscore *
   // relu(S). Ends with every thread's G stored.
   auto make_g = [&](int it) {
     const int j0 = sm.tiles[it] * kBTile;
     WgFenceOperand(acc_s);
-    float d_lo = ds[j0 + r0], d_hi = ds[j0 + r0 + 8];
+    // dscore of slots r0 (dl) and r0 + 8 (dh) for row t (and, PAIR, t + 1: heads j >= 4).
+    float dl[2], dh[2];
+    if constexpr (!PAIR) {
+      dl[0] = ds[j0 + r0];
+      dh[0] = ds[j0 + r0 + 8];
+    }
     if constexpr (DENSE) {
-      float i_lo = 0.f, i_hi = 0.f;  // I of slots r0, r0 + 8 (this thread's heads, then the quad)
+      // I of slots r0, r0 + 8 a row (this thread's heads, then the quad)
+      float il[2] = {0.f, 0.f}, ih[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < HI / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          i_lo = fmaf(fmaxf(acc_s[4 * j + e], 0.f), wv[2 * j + e], i_lo);
-          i_hi = fmaf(fmaxf(acc_s[4 * j + 2 + e], 0.f), wv[2 * j + e], i_hi);
+          const int r = PAIR ? j / 4 : 0;
+          il[r] = fmaf(fmaxf(acc_s[4 * j + e], 0.f), w_of(2 * j + e), il[r]);
+          ih[r] = fmaf(fmaxf(acc_s[4 * j + 2 + e], 0.f), w_of(2 * j + e), ih[r]);
         }
 #pragma unroll
-      for (int mask = 1; mask <= 2; mask <<= 1) {
-        i_lo += __shfl_xor_sync(0xffffffffu, i_lo, mask);
-        i_hi += __shfl_xor_sync(0xffffffffu, i_hi, mask);
+      for (int r = 0; r < (PAIR ? 2 : 1); ++r) {
+#pragma unroll
+        for (int mask = 1; mask <= 2; mask <<= 1) {
+          il[r] += __shfl_xor_sync(0xffffffffu, il[r], mask);
+          ih[r] += __shfl_xor_sync(0xffffffffu, ih[r], mask);
+        }
+        bool v_lo, v_hi;
+        float p_lo, p_hi;
+        if constexpr (PAIR) {
+          v_lo = (vf[j0 + r0] >> r) & 1;
+          v_hi = (vf[j0 + r0 + 8] >> r) & 1;
+          p_lo = pt[2 * r];
+          p_hi = pt[2 * r + 1];
+        } else {
+          v_lo = rows[j0 + r0] >= 0;
+          v_hi = rows[j0 + r0 + 8] >= 0;
+          p_lo = dl[0];
+          p_hi = dh[0];
+        }
+        const float lse = r ? lse1 : lse0;
+        dl[r] = v_lo ? __expf(il[r] - lse) - p_lo : 0.f;
+        dh[r] = v_hi ? __expf(ih[r] - lse) - p_hi : 0.f;
+        if (q4 == 0) {
+          if (v_lo) a.score[(t + r) * k + j0 + r0] = il[r];
+          if (v_hi) a.score[(t + r) * k + j0 + r0 + 8] = ih[r];
+        }
       }
-      const bool v_lo = rows[j0 + r0] >= 0, v_hi = rows[j0 + r0 + 8] >= 0;
-      d_lo = v_lo ? __expf(i_lo - lse_i) - d_lo : 0.f;
-      d_hi = v_hi ? __expf(i_hi - lse_i) - d_hi : 0.f;
-      if (q4 == 0) {
-        if (v_lo) a.score[t * k + j0 + r0] = i_lo;
-        if (v_hi) a.score[t * k + j0 + r0 + 8] = i_hi;
-      }
+      fetch_p(it + 1);
     }
 #pragma unroll
     for (int j = 0; j < HI / 8; ++j) {
       uint32_t pk[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const float d = hr ? d_hi : d_lo;
+        const int r = PAIR ? j / 4 : 0;
+        const float d = hr ? dh[r] : dl[r];
         const float x0 = acc_s[4 * j + 2 * hr], x1 = acc_s[4 * j + 2 * hr + 1];
         dw[2 * j] += d * fmaxf(x0, 0.f);
         dw[2 * j + 1] += d * fmaxf(x1, 0.f);
-        pk[hr] = PackBf16(x0 > 0.f ? d * wv[2 * j] : 0.f, x1 > 0.f ? d * wv[2 * j + 1] : 0.f);
-        // G [hi][slot]: heads 8 j + 2 q4 (+1), slot r0 + 8 hr.
+        pk[hr] = PackBf16(x0 > 0.f ? d * w_of(2 * j) : 0.f, x1 > 0.f ? d * w_of(2 * j + 1) : 0.f);
+        // G: heads 8 j + 2 q4 (+1), slot r0 + 8 hr. At HI 64, [slot][hi] (the accumulator's
+        // layout: one 4-byte store for both heads; (2) reads it N-major); at 32, [hi][slot]
+        // (a 32-head row is too short for the 128-byte swizzle read N-major).
         const int sl = r0 + 8 * hr, hc = 8 * j + 2 * q4;
-        const uint32_t a0 = s_g + WgChunk(hc, sl >> 3, HI) + (sl & 7) * 2;
-        const uint32_t a1 = s_g + WgChunk(hc + 1, sl >> 3, HI) + (sl & 7) * 2;
-        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a0), "h"(uint16_t(pk[hr] & 0xFFFF)) : "memory");
-        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a1), "h"(uint16_t(pk[hr] >> 16)) : "memory");
+        if constexpr (HI == 64) {
+          const uint32_t a = s_g + WgChunk(sl, j, kBTile) + 4 * q4;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(pk[hr]) : "memory");
+        } else {
+          const uint32_t a0 = s_g + WgChunk(hc, sl >> 3, HI) + (sl & 7) * 2;
+          const uint32_t a1 = s_g + WgChunk(hc + 1, sl >> 3, HI) + (sl & 7) * 2;
+          asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a0), "h"(uint16_t(pk[hr] & 0xFFFF)) : "memory");
+          asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a1), "h"(uint16_t(pk[hr] >> 16)) : "memory");
+        }
       }
       ga[j >> 1][(j & 1) * 2] = pk[0];
       ga[j >> 1][(j & 1) * 2 + 1] = pk[1];
@@ -911,8 +985,12 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
-        WgMmaSS<1, 0>(acc_q[mb], WgDescMN(st + mb * (kBTile * 128) + ks * 2048, kBTile * 128),
-                      WgDesc(s_g + ks * 32), 1);
+        if constexpr (HI == 64)
+          WgMmaSS<1, 1>(acc_q[mb], WgDescMN(st + mb * (kBTile * 128) + ks * 2048, kBTile * 128),
+                        WgDescMN(s_g + ks * 2048, kBTile * 128), 1);
+        else
+          WgMmaSS<1, 0>(acc_q[mb], WgDescMN(st + mb * (kBTile * 128) + ks * 2048, kBTile * 128),
+                        WgDesc(s_g + ks * 32), 1);
     WgCommit();
     WgFenceOperand(acc_u);
   };
@@ -969,6 +1047,44 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     CpAsyncCommit();
   };
 
+  const int n_pass = !live ? 0 : split ? 2 : 1;
+  for (int pass = 0; pass < n_pass; ++pass) {
+  // PAIR: the rows this pass serves (bit r: row t + r).
+  const int serve = split ? 1 << pass : 3;
+  __syncthreads();  // the last pass's reads of rows and tiles are done
+  for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
+    float d;
+    int row;
+    if constexpr (PAIR) {
+      const int x = (serve & 1) ? BwdSlotDense(a, t, b, j, d) : -1;
+      const int y = (serve & 2) && has1 ? BwdSlotDense(a, t + 1, (t + 1) / a.s_q, j, d) : -1;
+      row = x >= 0 ? x : y;
+      vf[j] = uint8_t((x >= 0) | ((y >= 0) << 1));
+    } else {
+      row = DENSE ? BwdSlotDense(a, t, b, j, d) : BwdSlot(a, t, b, j, d);
+      ds[j] = d;
+      if (DENSE && row < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
+    }
+    rows[j] = row;
+    const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
+    if (lane == 0) sm.flags[j >> 5] = m != 0;
+  }
+  __syncthreads();
+  if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
+    const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
+    const unsigned m = __ballot_sync(0xffffffffu, act);
+    if (act) sm.tiles[__popc(m & ((1u << lane) - 1))] = lane;
+    if (lane == 0) sm.n_tiles = __popc(m);
+  }
+  __syncthreads();
+  n_act = sm.n_tiles;
+#pragma unroll
+  for (int s = 0; s < kWgStages - 1; ++s) {
+    if (s < n_act) load_tile(s, sm.tiles[s]);
+    CpAsyncCommit();
+  }
+  fetch_p(0);
+
   if constexpr (!PIPE) {
     for (int it = 0; it < n_act; ++it) {
       landed();
@@ -1006,6 +1122,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     add_u(it);
   }
   CpAsyncWait<0>();
+  }  // passes
   if constexpr (BULK) {
     if (tid < kBTile) BulkWaitRead();  // the staging is read before the CTA's shared memory goes
   }
@@ -1020,7 +1137,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int hi = 8 * j + 2 * q4 + e, d = 64 * mb + r0 + 8 * hr;
-          if (hi < a.h_i) a.d_iq[(t * a.h_i + hi) * kIndexHeadDim + d] = acc_q[mb][4 * j + 2 * hr + e];
+          if (head_ok(hi)) a.d_iq[head_at(hi) * kIndexHeadDim + d] = acc_q[mb][4 * j + 2 * hr + e];
         }
   // d_w: sum over the 8 row groups of a warp, then over the 4 warps.
 #pragma unroll
@@ -1032,7 +1149,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     if (g == 0) sm.dw_red[warp][8 * (i >> 1) + 2 * q4 + (i & 1)] = v;
   }
   __syncthreads();
-  if (tid < a.h_i) a.d_w[t * a.h_i + tid] = sm.dw_red[0][tid] + sm.dw_red[1][tid] + sm.dw_red[2][tid] + sm.dw_red[3][tid];
+  if (tid < HI && head_ok(tid))
+    a.d_w[head_at(tid)] = sm.dw_red[0][tid] + sm.dw_red[1][tid] + sm.dw_red[2][tid] + sm.dw_red[3][tid];
 }
 
 int FwdClusters(int64_t k) { return int((k + kSlotsPerCta - 1) / kSlotsPerCta); }
@@ -1053,15 +1171,17 @@ cudaError_t LaunchBwdHi(const BwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int HI, bool PIPE, bool BULK, bool DENSE = false>
+template <int HI, bool PIPE, bool BULK, bool DENSE = false, bool PAIR = false>
 cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
-  constexpr int kStages = BULK ? 3 : 4;  // as in the kernel
-  const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * 8 + 1024;  // + alignment
-  cudaError_t e = cudaFuncSetAttribute(KlBwdKernelWg<HI, PIPE, BULK, DENSE>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  constexpr int kStages = WgStages(BULK, PAIR);
+  // rows (int32) and dscore (float32) or PAIR's validity bits (uint8) a slot; + alignment
+  const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * (PAIR ? 5 : 8) + 1024;
+  auto kernel = KlBwdKernelWg<HI, PIPE, BULK, DENSE, PAIR>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
-  KlBwdKernelWg<HI, PIPE, BULK, DENSE><<<dim3(unsigned(a.t)), kWgThreads, smem, stream>>>(a);
+  const int64_t grid = PAIR ? (a.t + 1) / 2 : a.t;
+  kernel<<<dim3(unsigned(grid)), kWgThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1131,9 +1251,12 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
   const int variant = a.variant >= 0 ? a.variant : (a.h_i <= 32 ? 3 : 2);
-  if (a.index_lse != nullptr)  // the dense form: the default variants only
-    return a.h_i <= 32 ? LaunchBwdWgHi<32, true, true, true>(a, stream)
-                       : LaunchBwdWgHi<64, true, false, true>(a, stream);
+  if (a.index_lse != nullptr) {  // the dense form: 4 (the default at H_I <= 32), 5, or 3 / 2
+    if (a.h_i > 32) return LaunchBwdWgHi<64, true, false, true>(a, stream);
+    if (a.variant == 3) return LaunchBwdWgHi<32, true, true, true>(a, stream);
+    if (a.variant == 5) return LaunchBwdWgHi<64, true, false, true, true>(a, stream);
+    return LaunchBwdWgHi<64, true, true, true, true>(a, stream);
+  }
   if (variant == 0) return a.h_i <= 32 ? LaunchBwdHi<32>(a, stream) : LaunchBwdHi<64>(a, stream);
   if (variant == 1)
     return a.h_i <= 32 ? LaunchBwdWgHi<32, false, false>(a, stream)

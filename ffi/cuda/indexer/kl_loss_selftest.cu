@@ -2,11 +2,13 @@
 // (development only; JAX_DSA_INDEXER_SELFTEST=ON builds it): random inputs, both kernels, every
 // error checked; the backward's variants (0: mma.sync, 1: wgmma, 2: wgmma with S of the next tile
 // overlapping the atomics, 3: 2 with d_ik added by bulk reductions) and its dense form (dscore
-// from the recomputed scores) against a float64 reference.
+// from the recomputed scores; two rows a CTA, or one) against a float64 reference.
 //   ./kl_loss_selftest                      the cases below (exit status 1 on a failure)
 //   ./kl_loss_selftest --bench [S]          backward variants at S = S_q = S_kv (default 16384),
 //                                           32 and 64 index heads, K 2048: CUDA-event medians
-//                                           of 10
+//                                           of 10; the dense form's variants on a causal
+//                                           first key chunk
+//   ./kl_loss_selftest --bench-dense [S]    the dense form's variants alone (for ncu)
 //   compute-sanitizer --tool memcheck ./kl_loss_selftest; ... --tool racecheck ...
 #include <cuda_bf16.h>
 
@@ -168,10 +170,15 @@ int dense(const FwdArgs& a, const std::vector<__nv_bfloat16>& iq, const std::vec
       if (r_score[r * k + j] != -INFINITY) ds[r * k + j] = std::exp(r_score[r * k + j] - lse[r]) - target[r * k + j];
   }
   const RefGrads ref = RefBackward(iq, ik, w, idx, ds, t, nkv, h_i, k, s_q, s_kv);
-  BwdArgs b{a.iq, a.ik, a.w, a.idx, nullptr, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
+  BwdArgs b{a.iq, a.ik, a.w, up(idx), nullptr, nullptr, nullptr, nullptr, t, h_i, k, s_q, s_kv};
   b.index_lse = up(lse);
   b.target = up(target);
-  const int bad = CheckBwd(b, ref, &r_score, t, nkv, "dense form");
+  int bad = 0;
+  for (int variant : {-1, 5, 3}) {  // two rows a CTA (bulk, red.v4), one row (bulk)
+    b.variant = variant;
+    bad |= CheckBwd(b, ref, &r_score, t, nkv, ("dense form, variant " + std::to_string(variant)).c_str());
+  }
+  CK(cudaFree((void*)b.idx));
   CK(cudaFree((void*)b.index_lse));
   CK(cudaFree((void*)b.target));
   return bad;
@@ -231,6 +238,16 @@ int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int s
     bad |= CheckBwd(b, ref, nullptr, t, nkv, ("variant " + std::to_string(variant)).c_str());
   }
   bad |= dense(a, iq, ik, w, idx, t, nkv, h_i, k, s_q, s_kv, g);
+  // The dense form on chunk-like lists: each row's visible keys of its document (documents of
+  // s_kv / 3 + 1 keys, causal) in order, from key k of the document on where the row sees more
+  // than k; neighbours share a list except at document, chunk and batch boundaries.
+  std::vector<int> chunk(t * k, -1);
+  const int doc = s_kv / 3 + 1;
+  for (int64_t r = 0; r < t; ++r) {
+    const int p = qp[r], d0 = p / doc * doc, seen = p - d0 + 1, c0 = seen > k ? k : 0;
+    for (int j = 0; j < std::min(seen - c0, k); ++j) chunk[r * k + j] = d0 + c0 + j;
+  }
+  bad |= dense(a, iq, ik, w, chunk, t, nkv, h_i, k, s_q, s_kv, g);
   printf("case nb=%d s_q=%d s_kv=%d h=%d d=%d h_i=%d k=%d seg=%d: mass sum (group 0) %.3f over %lld rows\n",
          nb, s_q, s_kv, h, d, h_i, k, int(seg), msum, (long long)t);
   return bad;
@@ -285,11 +302,62 @@ int bench(int s, int h_i, int k) {
   return 0;
 }
 
+// The dense form's timing on the first key chunk of a causal row set: row t lists keys
+// 0 .. min(t + 1, k) - 1 in order (the lists of neighbouring rows agree).
+int bench_dense(int s, int h_i, int k) {
+  std::mt19937 g(8);
+  std::normal_distribution<float> n;
+  std::uniform_real_distribution<float> u;
+  const int64_t t = s;
+  std::vector<__nv_bfloat16> iq(t * h_i * 128), ik(t * 128);
+  for (auto& x : iq) x = __float2bfloat16(n(g));
+  for (auto& x : ik) x = __float2bfloat16(n(g));
+  std::vector<float> w(t * h_i), target(t * k), lse(t, 8.f);
+  for (auto& x : w) x = n(g) * 0.01f;
+  for (auto& x : target) x = u(g) * 1e-3f;
+  std::vector<int> idx(t * k, -1);
+  double pairs = 0;
+  for (int64_t r = 0; r < t; ++r)
+    for (int j = 0; j < std::min<int64_t>(r + 1, k); ++j, ++pairs) idx[r * k + j] = j;
+  BwdArgs b{up(iq), up(ik), up(w), up(idx), nullptr, nullptr, nullptr, nullptr, t, h_i, k, s, s};
+  b.index_lse = up(lse);
+  b.target = up(target);
+  CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
+  CK(cudaMalloc(&b.d_ik, t * 128 * 4));
+  CK(cudaMalloc(&b.d_w, t * h_i * 4));
+  CK(cudaMalloc(&b.score, t * k * 4));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const int variants[3] = {-1, 5, 3};
+  std::vector<float> ms[3];
+  for (int rep = 0; rep < 12; ++rep)
+    for (int v = 0; v < 3; ++v) {
+      b.variant = variants[v];
+      CK(cudaEventRecord(e0));
+      CK(LaunchBwd(b, 0));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float x;
+      CK(cudaEventElapsedTime(&x, e0, e1));
+      if (rep >= 2) ms[v].push_back(x);
+    }
+  for (int v = 0; v < 3; ++v) {
+    std::sort(ms[v].begin(), ms[v].end());
+    const double med = ms[v][ms[v].size() / 2];
+    printf("bench dense S=%d h_i=%d k=%d variant %d: median %.3f ms (min %.3f), %.2f ns a pair\n", s,
+           h_i, k, variants[v], med, ms[v][0], med * 1e6 / pairs);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
     const int s = argc > 2 ? atoi(argv[2]) : 16384;
-    return bench(s, 32, 2048) | bench(s, 64, 2048);
+    return bench(s, 32, 2048) | bench(s, 64, 2048) | bench_dense(s, 32, 2048);
   }
+  if (argc > 1 && strcmp(argv[1], "--bench-dense") == 0)
+    return bench_dense(argc > 2 ? atoi(argv[2]) : 16384, 32, 2048);
   int r = 0;
   r |= run(2, 37, 50, 80, 512, 5, 300, true, 1);
   r |= run(1, 9, 3000, 64, 576, 32, 2048, false, 2);
