@@ -1049,79 +1049,79 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 
   const int n_pass = !live ? 0 : split ? 2 : 1;
   for (int pass = 0; pass < n_pass; ++pass) {
-  // PAIR: the rows this pass serves (bit r: row t + r).
-  const int serve = split ? 1 << pass : 3;
-  __syncthreads();  // the last pass's reads of rows and tiles are done
-  for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
-    float d;
-    int row;
-    if constexpr (PAIR) {
-      const int x = (serve & 1) ? BwdSlotDense(a, t, b, j, d) : -1;
-      const int y = (serve & 2) && has1 ? BwdSlotDense(a, t + 1, (t + 1) / a.s_q, j, d) : -1;
-      row = x >= 0 ? x : y;
-      vf[j] = uint8_t((x >= 0) | ((y >= 0) << 1));
-    } else {
-      row = DENSE ? BwdSlotDense(a, t, b, j, d) : BwdSlot(a, t, b, j, d);
-      ds[j] = d;
-      if (DENSE && row < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
+    // PAIR: the rows this pass serves (bit r: row t + r).
+    const int serve = split ? 1 << pass : 3;
+    __syncthreads();  // the last pass's reads of rows and tiles are done
+    for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
+      float d;
+      int row;
+      if constexpr (PAIR) {
+        const int x = (serve & 1) ? BwdSlotDense(a, t, b, j, d) : -1;
+        const int y = (serve & 2) && has1 ? BwdSlotDense(a, t + 1, (t + 1) / a.s_q, j, d) : -1;
+        row = x >= 0 ? x : y;
+        vf[j] = uint8_t((x >= 0) | ((y >= 0) << 1));
+      } else {
+        row = DENSE ? BwdSlotDense(a, t, b, j, d) : BwdSlot(a, t, b, j, d);
+        ds[j] = d;
+        if (DENSE && row < 0 && j < k) a.score[t * k + j] = -INFINITY;  // valid slots: in make_g
+      }
+      rows[j] = row;
+      const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
+      if (lane == 0) sm.flags[j >> 5] = m != 0;
     }
-    rows[j] = row;
-    const unsigned m = __ballot_sync(0xffffffffu, row >= 0);
-    if (lane == 0) sm.flags[j >> 5] = m != 0;
-  }
-  __syncthreads();
-  if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
-    const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
-    const unsigned m = __ballot_sync(0xffffffffu, act);
-    if (act) sm.tiles[__popc(m & ((1u << lane) - 1))] = lane;
-    if (lane == 0) sm.n_tiles = __popc(m);
-  }
-  __syncthreads();
-  n_act = sm.n_tiles;
-#pragma unroll
-  for (int s = 0; s < kWgStages - 1; ++s) {
-    if (s < n_act) load_tile(s, sm.tiles[s]);
-    CpAsyncCommit();
-  }
-  fetch_p(0);
-
-  if constexpr (!PIPE) {
-    for (int it = 0; it < n_act; ++it) {
-      landed();
-      refill(it);
-      issue_s(it);
-      WgWait<0>();
-      make_g(it);
-      issue_uq(it);
-      WgWait<0>();
-      add_u(it);
-    }
-  } else if (n_act > 0) {
-    // S of tile it + 1 is issued before tile it's atomics, so that they overlap; no branch
-    // between a wgmma's issue and its wait.
-    landed();
-    issue_s(0);
-    int it = 0;
-    for (; it + 1 < n_act; ++it) {
-      WgWait<0>();     // S(it)
-      __syncthreads();  // every thread's wgmmas of tile it - 1 are done: its stage and G are free
-      refill(it);
-      make_g(it);
-      issue_uq(it);
-      landed();        // tile it + 1 (the copy group of tile it + 1 is the third youngest)
-      issue_s(it + 1);
-      WgWait<1>();     // U(it) and dQ(it)
-      add_u(it);
-    }
-    WgWait<0>();
     __syncthreads();
-    refill(it);
-    make_g(it);
-    issue_uq(it);
-    WgWait<0>();
-    add_u(it);
-  }
-  CpAsyncWait<0>();
+    if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
+      const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
+      const unsigned m = __ballot_sync(0xffffffffu, act);
+      if (act) sm.tiles[__popc(m & ((1u << lane) - 1))] = lane;
+      if (lane == 0) sm.n_tiles = __popc(m);
+    }
+    __syncthreads();
+    n_act = sm.n_tiles;
+#pragma unroll
+    for (int s = 0; s < kWgStages - 1; ++s) {
+      if (s < n_act) load_tile(s, sm.tiles[s]);
+      CpAsyncCommit();
+    }
+    fetch_p(0);
+
+    if constexpr (!PIPE) {
+      for (int it = 0; it < n_act; ++it) {
+        landed();
+        refill(it);
+        issue_s(it);
+        WgWait<0>();
+        make_g(it);
+        issue_uq(it);
+        WgWait<0>();
+        add_u(it);
+      }
+    } else if (n_act > 0) {
+      // S of tile it + 1 is issued before tile it's atomics, so that they overlap; no branch
+      // between a wgmma's issue and its wait.
+      landed();
+      issue_s(0);
+      int it = 0;
+      for (; it + 1 < n_act; ++it) {
+        WgWait<0>();     // S(it)
+        __syncthreads();  // every thread's wgmmas of tile it - 1 are done: its stage and G are free
+        refill(it);
+        make_g(it);
+        issue_uq(it);
+        landed();        // tile it + 1 (the copy group of tile it + 1 is the third youngest)
+        issue_s(it + 1);
+        WgWait<1>();     // U(it) and dQ(it)
+        add_u(it);
+      }
+      WgWait<0>();
+      __syncthreads();
+      refill(it);
+      make_g(it);
+      issue_uq(it);
+      WgWait<0>();
+      add_u(it);
+    }
+    CpAsyncWait<0>();
   }  // passes
   if constexpr (BULK) {
     if (tid < kBTile) BulkWaitRead();  // the staging is read before the CTA's shared memory goes
@@ -1251,7 +1251,7 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
   const int variant = a.variant >= 0 ? a.variant : (a.h_i <= 32 ? 3 : 2);
-  if (a.index_lse != nullptr) {  // the dense form: 4 (the default at H_I <= 32), 5, or 3 / 2
+  if (a.index_lse != nullptr) {  // the dense form: two rows a CTA (5: with red.v4), 3: one row
     if (a.h_i > 32) return LaunchBwdWgHi<64, true, false, true>(a, stream);
     if (a.variant == 3) return LaunchBwdWgHi<32, true, true, true>(a, stream);
     if (a.variant == 5) return LaunchBwdWgHi<64, true, false, true, true>(a, stream);

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kl_loss.h"
@@ -253,6 +254,32 @@ int run(int nb, int s_q, int s_kv, int h, int d, int h_i, int k, bool seg, int s
   return bad;
 }
 
+// CUDA-event times of kernel B's `variants` on b's inputs, interleaved: 12 rounds, the first 2
+// dropped. Returns {median, min} a variant, ms.
+std::vector<std::pair<float, float>> TimeVariants(BwdArgs b, const std::vector<int>& variants) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<std::vector<float>> ms(variants.size());
+  for (int rep = 0; rep < 12; ++rep)
+    for (size_t v = 0; v < variants.size(); ++v) {
+      b.variant = variants[v];
+      CK(cudaEventRecord(e0));
+      CK(LaunchBwd(b, 0));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float x;
+      CK(cudaEventElapsedTime(&x, e0, e1));
+      if (rep >= 2) ms[v].push_back(x);
+    }
+  std::vector<std::pair<float, float>> r;
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    r.emplace_back(m[m.size() / 2], m[0]);
+  }
+  return r;
+}
+
 // Backward timing at GLM-5's indexer shape: row t selects min(t + 1, k) random keys of [0, t].
 int bench(int s, int h_i, int k) {
   std::mt19937 g(7);
@@ -275,29 +302,16 @@ int bench(int s, int h_i, int k) {
   CK(cudaMalloc(&b.d_iq, t * h_i * 128 * 4));
   CK(cudaMalloc(&b.d_ik, t * 128 * 4));
   CK(cudaMalloc(&b.d_w, t * h_i * 4));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ms[kVariants];
-  for (int rep = 0; rep < 12; ++rep)
-    for (int variant = 0; variant < kVariants; ++variant) {
-      b.variant = variant;
-      CK(cudaEventRecord(e0));
-      CK(LaunchBwd(b, 0));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float x;
-      CK(cudaEventElapsedTime(&x, e0, e1));
-      if (rep >= 2) ms[variant].push_back(x);
-    }
+  std::vector<int> variants;
+  for (int variant = 0; variant < kVariants; ++variant) variants.push_back(variant);
+  const auto ms = TimeVariants(b, variants);
   const double flop = 3.0 * 2 * 32 * 128;  // per (row, slot), H_I padded to 32 or 64 not counted
   double pairs = 0;
   for (int64_t r = 0; r < t; ++r) pairs += std::min<int64_t>(r + 1, k);
   for (int variant = 0; variant < kVariants; ++variant) {
-    std::sort(ms[variant].begin(), ms[variant].end());
-    const double med = ms[variant][ms[variant].size() / 2];
+    const double med = ms[variant].first;
     printf("bench S=%d h_i=%d k=%d bwd variant %d: median %.3f ms (min %.3f), %.0f TFLOP/s\n", s,
-           h_i, k, variant, med, ms[variant][0], flop * h_i / 32 * pairs / med * 1e-9);
+           h_i, k, variant, med, ms[variant].second, flop * h_i / 32 * pairs / med * 1e-9);
   }
   return 0;
 }
@@ -326,28 +340,11 @@ int bench_dense(int s, int h_i, int k) {
   CK(cudaMalloc(&b.d_ik, t * 128 * 4));
   CK(cudaMalloc(&b.d_w, t * h_i * 4));
   CK(cudaMalloc(&b.score, t * k * 4));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  const int variants[3] = {-1, 5, 3};
-  std::vector<float> ms[3];
-  for (int rep = 0; rep < 12; ++rep)
-    for (int v = 0; v < 3; ++v) {
-      b.variant = variants[v];
-      CK(cudaEventRecord(e0));
-      CK(LaunchBwd(b, 0));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float x;
-      CK(cudaEventElapsedTime(&x, e0, e1));
-      if (rep >= 2) ms[v].push_back(x);
-    }
-  for (int v = 0; v < 3; ++v) {
-    std::sort(ms[v].begin(), ms[v].end());
-    const double med = ms[v][ms[v].size() / 2];
+  const std::vector<int> variants = {-1, 5, 3};
+  const auto ms = TimeVariants(b, variants);
+  for (size_t v = 0; v < variants.size(); ++v)
     printf("bench dense S=%d h_i=%d k=%d variant %d: median %.3f ms (min %.3f), %.2f ns a pair\n", s,
-           h_i, k, variants[v], med, ms[v][0], med * 1e6 / pairs);
-  }
+           h_i, k, variants[v], ms[v].first, ms[v].second, ms[v].first * 1e6 / pairs);
   return 0;
 }
 
