@@ -9,9 +9,9 @@ over the local rows, reduced here), and in its backward the gradients for ``inde
 ``index_k`` (a partial sum over the local rows, reduce-scattered along the sequence) and
 ``index_weights``. ``q``, ``kv`` and ``attention_lse`` take no gradient (the detached target).
 
-A forward may also return per-row residuals ``[NB, S_q, R]`` float32 (e.g. the dense form's
-softmax statistics, so that its backward needs one pass over the keys instead of two); they
-reach its backward as ``residuals=``. A forward that returns two results saves none.
+A forward may also return per-row residuals ``[NB, S_q, R]`` float32 (e.g. DeepSeek V4's dense
+form's softmax statistics, so that its backward needs one pass over the keys instead of two);
+they reach its backward as ``residuals=``. A forward that returns two results saves none.
 
 In the dense form (no slots) an implementation with ``forward_with_grads`` computes the
 gradients in its forward instead (``(kl_sum, row_count, (d index_q, d index_k,
