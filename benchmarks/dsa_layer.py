@@ -50,9 +50,10 @@ def timed(fn, *args, repeats):
             "min_ms": round(1e3 * min(runs), 3)}
 
 
-def layer_step(c, s, implementation, kl, repeats, mode="sparse", frozen=False):
-    """The layer's forward+backward; ``frozen``: the dense warm-up's recipe (DeepSeek-V3.2 §2.1),
-    the gradient of the indexer loss in the indexer's parameters alone."""
+def make_layer_step(c, s, implementation, kl=True, mode="sparse", frozen=False):
+    """``(step, params, x)``: the layer's jitted forward+backward ``step(params, x)``, random
+    weights and input of one batch row; ``frozen``: the dense warm-up's recipe (DeepSeek-V3.2
+    §2.1), the gradient of the indexer loss in the indexer's parameters alone."""
     attn = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
     x = jax.random.normal(jax.random.key(1), (1, s, c.hidden_size), jnp.bfloat16)
@@ -79,6 +80,12 @@ def layer_step(c, s, implementation, kl, repeats, mode="sparse", frozen=False):
                 return total + (aux["indexer_loss"] if kl else 0.0)
             return jax.grad(loss, argnums=(0, 1))(p, x)
 
+    return step, params, x
+
+
+def layer_step(c, s, implementation, kl, repeats, mode="sparse", frozen=False):
+    """Times :func:`make_layer_step`'s step, with its compiled memory."""
+    step, params, x = make_layer_step(c, s, implementation, kl, mode, frozen)
     out = timed(step, params, x, repeats=repeats)
     mem = step.lower(params, x).compile().memory_analysis()
     if mem is not None:  # the compiled step's own buffers: temporaries, arguments, outputs

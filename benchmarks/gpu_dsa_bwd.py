@@ -7,7 +7,8 @@ then its speed. Run on an SM90 GPU (H100/H200) with jax_dsa's CUDA module built.
    first and a steady execution (the first includes loading the kernel modules; no JIT).
 2. Accuracy: dq, dkv, d_attn_sink of sparse_mla(..., implementation="cuda") (bfloat16) against
    the same gradients computed in float64 by the pure-JAX implementation, at GLM-5 shapes
-   (H 64, D_qk 576, K 2048, no sink) and DeepSeek V4 shapes (H 64, D_qk 512, K 512 and 640, with
+   (H 64, D_qk 576, K 2048, no sink; also with valid-first lists, the layers' case, where the
+   glue skips its sort) and DeepSeek V4 shapes (H 64, D_qk 512, K 512 and 640, with
    a sink), with -1 and out-of-range slots, an empty row, duplicates across queries, S_q not a
    multiple of 64, plus a batched H 16 / K 300 case for the glue (head and slot padding).
    Pass: every gradient finite, relative L2 error <= 1e-2.
@@ -44,11 +45,15 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths, all_valid=False):
+def make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths, all_valid=False, valid_first=False):
     q = (rng.standard_normal(batch + (s_q, h, d)) * 0.5).astype(np.float32)
     kv = rng.standard_normal(batch + (s_kv, d)).astype(np.float32)
     idx = rng.integers(0, s_kv, batch + (s_q, k)).astype(np.int32)
-    if not all_valid:
+    if valid_first:  # the layers' lists: a valid prefix of random length, -1 after
+        count = rng.integers(0, k + 1, batch + (s_q, 1))
+        idx = np.where(np.arange(k) < count, idx, -1).astype(np.int32)
+        idx[..., 5, :] = -1  # an empty row
+    elif not all_valid:
         u = rng.random(idx.shape)
         idx = np.where(u < 0.15, -1, idx)
         idx = np.where((u >= 0.15) & (u < 0.18), s_kv + rng.integers(0, 50, idx.shape), idx)
@@ -82,6 +87,8 @@ def grads(c, impl, sm_scale, dtype=None):
 def accuracy(rng):
     cases = [
         ("glm5 H64 D576 K2048 S_q200 S_kv3000", (), 200, 3000, 64, 576, 2048, False, False, 1 / 16),
+        ("glm5 H64 D576 K2048 S_q200 S_kv3000, valid-first lists (the glue's sort skipped)", (),
+         200, 3000, 64, 576, 2048, False, False, 1 / 16),
         ("v4 H64 D512 K512 sink S_q77 S_kv1000 +topk_length", (), 77, 1000, 64, 512, 512, True, True, 512**-0.5),
         ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False, 512**-0.5),
         ("glue B2 H16 D576 K300 sink S_q70 S_kv400 +topk_length", (2,), 70, 400, 16, 576, 300, True, True, 0.07),
@@ -91,7 +98,8 @@ def accuracy(rng):
     ]
     rows = []
     for name, batch, s_q, s_kv, h, d, k, sink, lengths, scale in cases:
-        c = make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths)
+        c = make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths,
+                      valid_first="valid-first" in name)
         got = grads(c, "cuda", scale)
         with jax.enable_x64(True):
             ref = grads(c, "xla", scale, dtype=jnp.float64)

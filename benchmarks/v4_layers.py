@@ -23,7 +23,6 @@ Meant for GPUs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import statistics
@@ -85,6 +84,25 @@ def check_built_widths(lengths=(64, 200, 512)) -> list[dict]:
     return rows
 
 
+def make_layer_step(c, i: int, seq_len: int, implementation, dtype, mode: str = "sparse"):
+    """``(fwd_bwd, params, x)``: layer ``i``'s jitted forward+backward ``fwd_bwd(params, x)``
+    (the indexer loss included where the layer has one), random weights and input of one row."""
+    attn = DeepseekV4Attention(c, i, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(0), (1, seq_len, c.hidden_size), dtype)
+
+    @jax.jit
+    def fwd_bwd(p, x):
+        def loss(p, x):
+            y, aux = nnx.merge(graphdef, p, rest)(x, attention_mode=mode,
+                                                  implementation=implementation)
+            return jnp.mean(y.astype(jnp.float32) ** 2) + (
+                aux["indexer_loss"] if aux["indexer_loss"] is not None else 0.0)
+        return jax.grad(loss, argnums=(0, 1))(p, x)
+
+    return fwd_bwd, params, x
+
+
 def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype,
                 mode: str = "sparse") -> dict:
     c = get_config(model)
@@ -95,19 +113,7 @@ def time_layers(model: str, seq_len: int, implementation, repeats: int, dtype,
         i = c.layer_types.index(t) if t in c.layer_types else None
         if i is None:
             continue
-        attn = DeepseekV4Attention(c, i, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
-        graphdef, params, rest = nnx.split(attn, nnx.Param, ...)
-        x = jax.random.normal(jax.random.key(0), (1, seq_len, c.hidden_size), dtype)
-
-        @functools.partial(jax.jit, donate_argnums=())
-        def fwd_bwd(p, x, graphdef=graphdef, rest=rest):
-            def loss(p, x):
-                y, aux = nnx.merge(graphdef, p, rest)(x, attention_mode=mode,
-                                                      implementation=implementation)
-                return jnp.mean(y.astype(jnp.float32) ** 2) + (
-                    aux["indexer_loss"] if aux["indexer_loss"] is not None else 0.0)
-            return jax.grad(loss, argnums=(0, 1))(p, x)
-
+        fwd_bwd, params, x = make_layer_step(c, i, seq_len, implementation, dtype, mode)
         t0 = time.perf_counter()
         jax.block_until_ready(fwd_bwd(params, x))
         compile_s = time.perf_counter() - t0

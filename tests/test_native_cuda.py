@@ -112,6 +112,27 @@ def test_glue_normalises_indices_to_a_valid_prefix():
                 assert empty[b, t] and g_len[b, t] == 1 and g_idx[b, t, 0] == b * s_kv
 
 
+def test_glue_keeps_lists_that_are_valid_first():
+    """Rows already valid-first (the layers' top-k and window lists) skip the sort: the same
+    global rows, under jit too, with an empty row and a row cut by topk_length."""
+    nb, s_q, s_kv, k = 2, 6, 11, 4
+    rng = np.random.default_rng(1)
+    count = rng.integers(0, k + 1, (nb, s_q))
+    count[0, 0], count[1, 1] = 0, k
+    idx = np.where(np.arange(k) < count[..., None], rng.integers(0, s_kv, (nb, s_q, k)), -1)
+    length = np.full((nb, s_q), k, np.int32)
+    length[1, 1] = 2  # valid slots past topk_length: still a prefix
+    glue = jax.jit(sparse_mla_cuda.cuda_index_glue, static_argnums=2)
+    g_idx, g_len, empty = map(np.asarray, glue(jnp.asarray(idx, jnp.int32), jnp.asarray(length),
+                                               s_kv))
+    n = np.minimum(count, length)
+    want = np.where(np.arange(k) < n[..., None], idx + (np.arange(nb) * s_kv)[:, None, None], -1)
+    want[..., 0] = np.where(n == 0, (np.arange(nb) * s_kv)[:, None], want[..., 0])  # safe slot
+    np.testing.assert_array_equal(g_idx, want)
+    np.testing.assert_array_equal(g_len, np.maximum(n, 1))
+    np.testing.assert_array_equal(empty, n == 0)
+
+
 def test_unsupported_calls_are_refused_with_the_rule():
     q = np.zeros((4, 2, 576), np.float32)
     kv = np.zeros((6, 576), np.float32)

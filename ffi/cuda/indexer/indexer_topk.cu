@@ -707,6 +707,97 @@ struct SelectState {
   int done;         // 1: select every visible key >= prefix (no ordered tie pass needed)
 };
 
+// Index-order scan of one count a thread over an NT-thread block: (the lower threads' sum, the
+// block's total). One barrier; wtot alternates between two buffers (par) so that the next call's
+// writes do not race this call's reads.
+template <int NT>
+__device__ __forceinline__ uint2 BlockScanCount(unsigned v, unsigned (&wtot)[2][NT / 32], int& par,
+                                                int lane, int warp) {
+  const unsigned incl = WarpInclusiveSum(v, lane);
+  if (lane == 31) wtot[par][warp] = incl;
+  __syncthreads();
+  unsigned before = 0, total = 0;
+#pragma unroll
+  for (int q = 0; q < NT / 32; ++q) {
+    const unsigned t = wtot[par][q];
+    before += q < warp ? t : 0u;
+    total += t;
+  }
+  par ^= 1;
+  return make_uint2(before + incl - v, total);
+}
+
+// One radix-select step, by warp 0: of the 256 counts in hist (bin b: the keys of the current
+// prefix whose digit at `shift` is b), scanned from the highest bin, the bin holding the need-th
+// key. The lane that finds it sets st.prefix = prefix | bin << shift, st.need = need - (keys in
+// higher bins) and st.done = (the bin is taken whole). Returns the counts' total.
+__device__ __forceinline__ unsigned SelectBin(const unsigned* hist, unsigned prefix, unsigned need,
+                                              int shift, int lane, SelectState& st) {
+  unsigned c[8];
+  unsigned local = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = hist[255 - 8 * lane - i];
+    local += c[i];
+  }
+  const unsigned incl = WarpInclusiveSum(local, lane);
+  const unsigned excl = incl - local;
+  if (excl < need && need <= incl) {  // exactly one lane
+    unsigned acc = excl, bin = 0, above = 0, eq = 0;
+    bool found = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (!found && acc + c[i] >= need) {
+        bin = 255u - 8u * lane - i;
+        above = acc;
+        eq = c[i];
+        found = true;
+      }
+      acc += c[i];
+    }
+    st.prefix = prefix | (bin << shift);
+    st.need = need - above;
+    st.done = eq == need - above;
+  }
+  return __shfl_sync(kFull, incl, 31);
+}
+
+// The selected keys' output: sel[0, kprime) holds (key << 32 | ~index) entries, equal keys in
+// index order; CUB's stable block radix sort on the 32-bit keys (descending) orders them, and
+// row r of out (and of out_scores, if given) gets the indices (scores), -1 (-inf) past kprime.
+template <int NT>
+__device__ __forceinline__ void SortWriteSelected(unsigned long long* sel, unsigned kprime, int topk,
+                                                  int r, int32_t* __restrict__ out,
+                                                  float* __restrict__ out_scores) {
+  using BlockSort = cub::BlockRadixSort<uint32_t, NT, kTopkMaxK / NT, uint32_t>;
+  static_assert(sizeof(typename BlockSort::TempStorage) <= kTopkMaxK * sizeof(unsigned long long),
+                "sort storage in sel");
+  constexpr int E = kTopkMaxK / NT;
+  const int tid = threadIdx.x;
+  __syncthreads();
+  uint32_t keys[E], vals[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const unsigned e = unsigned(E * tid + i);
+    const unsigned long long x = e < kprime ? sel[e] : 0ull;  // 0: below every selected key
+    keys[i] = uint32_t(x >> 32);
+    vals[i] = 0xffffffffu - uint32_t(x & 0xffffffffull);
+  }
+  __syncthreads();  // sel's storage becomes the sort's
+  BlockSort(*reinterpret_cast<typename BlockSort::TempStorage*>(sel))
+      .SortDescendingBlockedToStriped(keys, vals);
+  int32_t* o = out + int64_t(r) * topk;
+  float* os = out_scores ? out_scores + int64_t(r) * topk : nullptr;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const unsigned e = unsigned(tid + NT * i);
+    if (e < unsigned(topk)) {
+      o[e] = e < kprime ? int32_t(vals[i]) : -1;
+      if (os) os[e] = e < kprime ? KeyScore(keys[i]) : -INFINITY;
+    }
+  }
+}
+
 // FAST (the default): each sweep issues four loads a thread before their first use, and the
 // sort runs its strides < 64 in registers and warp shuffles (two entries a thread) instead of
 // shared memory: 15 of its 66 steps touch shared memory instead of all of them.
@@ -728,7 +819,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   __shared__ unsigned s_cnt;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int r = blockIdx.x;
+  const int r = gridDim.x - 1 - blockIdx.x;  // the longest rows (causal) first
   const int2 rg = ranges[r];
   const int lo = rg.x, n = rg.y - rg.x;  // n: a multiple of 64
   const float4* src4 = reinterpret_cast<const float4*>(scores + int64_t(r) * ld + lo);
@@ -780,40 +871,16 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
     });
     __syncthreads();
     if (warp == 0) {
-      unsigned c[8];
-      unsigned local = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        c[i] = hist[255 - 8 * lane - i];
-        local += c[i];
-      }
-      const unsigned incl = WarpInclusiveSum(local, lane);
-      const unsigned excl = incl - local;
-      const unsigned total = __shfl_sync(kFull, incl, 31);
-      const bool take_all = p == 0 && total <= unsigned(topk);
-      if (take_all && lane == 0) {
-        st.kprime = total;
-        st.prefix = 0;
-        st.need = 0;
-        st.done = 1;
-      }
-      if (!take_all && excl < need && need <= incl) {  // exactly one lane
-        unsigned acc = excl, bin = 0, above = 0, eq = 0;
-        bool found = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (!found && acc + c[i] >= need) {
-            bin = 255u - 8u * lane - i;
-            above = acc;
-            eq = c[i];
-            found = true;
-          }
-          acc += c[i];
+      const unsigned total = SelectBin(hist, prefix, need, shift, lane, st);
+      __syncwarp();
+      if (p == 0 && lane == 0) {  // at most topk visible keys: take them all
+        const bool take_all = total <= unsigned(topk);
+        st.kprime = take_all ? total : unsigned(topk);
+        if (take_all) {
+          st.prefix = 0;
+          st.need = 0;
+          st.done = 1;
         }
-        if (p == 0) st.kprime = unsigned(topk);
-        st.prefix = prefix | (bin << shift);
-        st.need = need - above;
-        st.done = eq == need - above;
       }
     }
     __syncthreads();
@@ -828,22 +895,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   unsigned running = 0;        // keys == T seen in earlier tiles (ordered)
   unsigned s_cnt_reg = 0;      // RADIX: keys > T seen in earlier tiles
   int par = 0;
-  // Index-order scan of one count a thread over the block: (the lower threads' sum, the block's
-  // total). One barrier; wtot alternates between two buffers so that the next call's writes do
-  // not race this call's reads.
-  auto block_scan = [&](unsigned v) {
-    const unsigned incl = WarpInclusiveSum(v, lane);
-    if (lane == 31) wtot[par][warp] = incl;
-    __syncthreads();
-    unsigned before = 0, total = 0;
-    for (int q = 0; q < kWarps; ++q) {
-      const unsigned t = wtot[par][q];
-      before += q < warp ? t : 0u;
-      total += t;
-    }
-    par ^= 1;
-    return make_uint2(before + incl - v, total);
-  };
+  auto block_scan = [&](unsigned v) { return BlockScanCount<NT>(v, wtot, par, lane, warp); };
   if (kprime > 0) {
     sweep(false, [&](int i, const uint4& kk) {
       const unsigned kv[4] = {kk.x, kk.y, kk.z, kk.w};
@@ -913,31 +965,7 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   }
   if constexpr (RADIX) {
     static_assert(FAST && NT == 256, "RADIX: 256 threads, 8 keys each");
-    using BlockSort = cub::BlockRadixSort<uint32_t, NT, kTopkMaxK / NT, uint32_t>;
-    static_assert(sizeof(typename BlockSort::TempStorage) <= sizeof(sel), "sort storage in sel");
-    constexpr int E = kTopkMaxK / NT;
-    __syncthreads();
-    uint32_t keys[E], vals[E];
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const unsigned e = unsigned(E * tid + i);
-      const unsigned long long x = e < kprime ? sel[e] : 0ull;  // 0: below every selected key
-      keys[i] = uint32_t(x >> 32);
-      vals[i] = 0xffffffffu - uint32_t(x & 0xffffffffull);
-    }
-    __syncthreads();  // sel's storage becomes the sort's
-    BlockSort(*reinterpret_cast<typename BlockSort::TempStorage*>(sel))
-        .SortDescendingBlockedToStriped(keys, vals);
-    int32_t* o = out + int64_t(r) * topk;
-    float* os = out_scores ? out_scores + int64_t(r) * topk : nullptr;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const unsigned e = unsigned(tid + NT * i);
-      if (e < unsigned(topk)) {
-        o[e] = e < kprime ? int32_t(vals[i]) : -1;
-        if (os) os[e] = e < kprime ? KeyScore(keys[i]) : -INFINITY;
-      }
-    }
+    SortWriteSelected<NT>(sel, kprime, topk, r, out, out_scores);
   } else if constexpr (FAST) {
     // Bitonic sort, descending, of P = max(64, 2^ceil(log2 kprime)) entries (0-padded): virtual
     // thread t < P / 2 (thread t % NT, slot t / NT) holds entries 2t, 2t+1; strides >= 64 go
@@ -1055,6 +1083,267 @@ TopkKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict_
   }
 }
 
+// The two-sweep top-k (variant 4): rows read from global memory twice, whatever their length.
+// A row of at least kSampleMinKeys keys first reads kSample evenly spaced keys and takes as its
+// floor L the sample's r-th largest key, r = 1.5 * topk * kSample / n, so that about 1.5 * topk
+// keys are >= L: keys below it cost a compare, not a shared-memory atomic. Sweep 1 counts the
+// top kDigit1Bits bits of the keys >= L (8192 bins); one block scan finds the bin that holds the
+// topk-th key. Sweep 2 collects the keys above that bin into sel and the keys in it (the
+// candidates, in index order) into the histogram's room, where the remaining 19 bits (8 + 8 + 3)
+// are selected without reading the row again. Fallbacks keep it exact: fewer than topk keys
+// >= L redo sweep 1 with every visible key; a bin with more than kCandCap keys (many equal
+// scores, such as ReLU's zero plateaus) refines over the row, a sweep a digit. Same results as
+// the other variants (the tie rule included).
+constexpr int kDigit1Bits = 13;
+constexpr int kDigit1Shift = 32 - kDigit1Bits;
+constexpr int kDigit1Bins = 1 << kDigit1Bits;  // 32 KiB of counts, then the candidates' room
+constexpr int kCandCap = kDigit1Bins / 2;      // (key, index) pairs in that room
+constexpr int kTwoSweepSmem = kDigit1Bins * 4;
+constexpr int kSample = 1024;                  // keys sampled for the floor (in sel's room)
+constexpr int kSampleMinKeys = 6144;           // rows shorter than this count every key
+
+template <int NT>
+__global__ void __launch_bounds__(NT, kTopkThreads / NT)
+TopkTwoSweepKernel(const float* __restrict__ scores, int64_t ld, const int2* __restrict__ ranges,
+                   int topk, int32_t* __restrict__ out, float* __restrict__ out_scores) {
+  static_assert(kSample == 4 * NT, "four sampled keys a thread");
+  extern __shared__ uint4 dyn4[];
+  unsigned* hist1 = reinterpret_cast<unsigned*>(dyn4);  // sweep 1: [kDigit1Bins] counts
+  uint2* cand = reinterpret_cast<uint2*>(dyn4);         // sweep 2 on: [kCandCap] (key, index)
+  __shared__ unsigned hist[256];
+  __shared__ __align__(16) unsigned long long sel[kTopkMaxK];
+  uint32_t* sample = reinterpret_cast<uint32_t*>(sel);  // [kSample], before sweep 2
+  __shared__ unsigned wtot[2][NT / 32];
+  __shared__ SelectState st;
+  __shared__ unsigned s_bin, s_eq, s_floor;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = gridDim.x - 1 - blockIdx.x;  // the longest rows (causal) first
+  const int2 rg = ranges[r];
+  const int lo = rg.x, n = rg.y - rg.x;  // n: a multiple of 64
+  const float* src = scores + int64_t(r) * ld + lo;
+  const float4* src4 = reinterpret_cast<const float4*>(src);
+  int par = 0;
+  auto block_scan = [&](unsigned v) { return BlockScanCount<NT>(v, wtot, par, lane, warp); };
+  // fn(i, keys of elements i..i+3) for every thread's 4 elements of the row, in index order tile
+  // by tile, four loads a thread in flight (elements past the row are 0 = invisible).
+  auto sweep = [&](auto&& fn) {
+    for (int base = 0; base < n; base += 16 * NT) {
+      uint4 kk[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * 4 * NT + 4 * tid;
+        float4 f = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+        if (i < n) f = __ldcg(src4 + (i >> 2));
+        kk[u] = make_uint4(ScoreKey(f.x), ScoreKey(f.y), ScoreKey(f.z), ScoreKey(f.w));
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) fn(base + u * 4 * NT + 4 * tid, kk[u]);
+    }
+  };
+  // Radix select over the keys that src(fn) presents (fn(keys[4], indices[4]) for all of them,
+  // 0 = none), from st.prefix / st.need: `passes` digits (shift, bits) until a bin is taken whole.
+  auto refine = [&](auto&& src_fn, const int2 (&digits)[4], int passes) {
+    for (int p = 0; p < passes; ++p) {
+      if (st.done) break;  // uniform: written before the last barrier
+      const int shift = digits[p].x;
+      const unsigned dmask = (1u << digits[p].y) - 1u;
+      const unsigned hmask = unsigned(0xffffffffull << (shift + digits[p].y));
+      const unsigned prefix = st.prefix, need = st.need;
+      hist[tid & 255] = 0;
+      __syncthreads();
+      src_fn([&](const uint32_t (&kv)[4], const uint32_t (&)[4]) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          HistAdd(hist, (kv[c] >> shift) & dmask, kv[c] != 0 && (kv[c] & hmask) == prefix, lane);
+      });
+      __syncthreads();
+      if (warp == 0) SelectBin(hist, prefix, need, shift, lane, st);
+      __syncthreads();
+    }
+  };
+
+  // The floor L: the r-th largest of kSample evenly spaced keys (1: every visible key).
+  for (int i = tid; i < kDigit1Bins; i += NT) hist1[i] = 0;
+  if (tid == 0) s_floor = 1u;
+  if (n >= kSampleMinKeys) {  // uniform
+    const int64_t want = (int64_t(3) * topk * kSample + 2 * n - 1) / (2 * n);  // ceil(1.5 topk M / n)
+    const unsigned rank = unsigned(want < kSample ? want : kSample);
+    unsigned vis = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = tid + c * NT;
+      const uint32_t k = ScoreKey(__ldcg(src + int64_t(j) * n / kSample + n / (2 * kSample)));
+      sample[j] = k;
+      vis += k != 0;
+    }
+    if (tid == 0) {
+      st.prefix = 0;
+      st.need = rank;
+      st.done = 0;
+    }
+    const unsigned n_vis = block_scan(vis).y;  // (its barrier publishes sample and st)
+    if (rank < n_vis) {  // uniform
+      // The top 16 bits suffice: a floor at most 2^-7 (relative) below the rank-th key.
+      const int2 digits[4] = {{24, 8}, {16, 8}, {0, 0}, {0, 0}};
+      refine([&](auto&& fn) {
+        uint32_t kv[4], ix[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) kv[c] = sample[4 * tid + c];
+        fn(kv, ix);
+      }, digits, 2);
+      // st.prefix <= the rank-th largest sampled key
+      if (tid == 0) s_floor = max(st.prefix, 1u);
+    }
+  }
+  __syncthreads();
+  unsigned floor_key = s_floor;
+
+  // Sweep 1: the histogram of the top bits of the keys >= L; the bin of the topk-th key.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    sweep([&](int, const uint4& kk) {
+      if (kk.x >= floor_key) atomicAdd(&hist1[kk.x >> kDigit1Shift], 1u);
+      if (kk.y >= floor_key) atomicAdd(&hist1[kk.y >> kDigit1Shift], 1u);
+      if (kk.z >= floor_key) atomicAdd(&hist1[kk.z >> kDigit1Shift], 1u);
+      if (kk.w >= floor_key) atomicAdd(&hist1[kk.w >> kDigit1Shift], 1u);
+    });
+    __syncthreads();
+    // Thread t sums bins [top - kPer + 1, top], the highest to thread 0 (read rotated by lane:
+    // no bank conflicts); the block scan of the sums places the bin of the topk-th key.
+    constexpr int kPer = kDigit1Bins / NT;
+    static_assert(kPer == 32, "one bin a lane in the rotated read");
+    const int top = kDigit1Bins - 1 - kPer * tid;
+    unsigned local = 0;
+#pragma unroll 8
+    for (int j = 0; j < kPer; ++j) local += hist1[top - ((j + lane) & (kPer - 1))];
+    const uint2 sc = block_scan(local);
+    const unsigned excl = sc.x, total = sc.y;
+    if (total < unsigned(topk) && floor_key > 1u) {  // uniform: the floor was too high
+      floor_key = 1u;
+      for (int i = tid; i < kDigit1Bins; i += NT) hist1[i] = 0;
+      __syncthreads();
+      continue;
+    }
+    if (total <= unsigned(topk)) {  // at most topk keys >= L: take them all
+      if (tid == 0) {
+        st.kprime = total;
+        st.done = 1;
+        s_bin = 0;
+        s_eq = 0;
+      }
+    } else if (excl < unsigned(topk) && unsigned(topk) <= excl + local) {  // exactly one thread
+      unsigned acc = excl;
+      for (int j = 0; j < kPer; ++j) {
+        const unsigned c = hist1[top - j];
+        if (acc + c >= unsigned(topk)) {
+          st.kprime = unsigned(topk);
+          st.prefix = unsigned(top - j) << kDigit1Shift;
+          st.need = unsigned(topk) - acc;
+          st.done = c == unsigned(topk) - acc;
+          s_bin = unsigned(top - j);
+          s_eq = c;
+          break;
+        }
+        acc += c;
+      }
+    }
+    __syncthreads();  // (also: hist1's reads are done before cand overwrites it)
+    break;
+  }
+  const unsigned kprime = st.kprime, bin = s_bin, eq = s_eq;
+  const bool done1 = st.done;
+  const bool in_smem = !done1 && eq <= unsigned(kCandCap);
+
+  // Sweep 2: the keys >= L above the bin (every one with a digit >= bin when the bin is taken
+  // whole) to sel[0, above) and the bin's keys to cand, both in index order.
+  unsigned above = 0;
+  if (kprime > 0) {
+    unsigned n_cand = 0;
+    sweep([&](int i, const uint4& kk) {
+      const unsigned kv[4] = {kk.x, kk.y, kk.z, kk.w};
+      unsigned gtm = 0, cdm = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const unsigned d = kv[c] >> kDigit1Shift;
+        const bool in = kv[c] >= floor_key;
+        gtm |= unsigned(in && (done1 ? d >= bin : d > bin)) << c;
+        cdm |= unsigned(in_smem && in && d == bin) << c;
+      }
+      const uint2 sc = block_scan(__popc(gtm) | (__popc(cdm) << 16));
+      unsigned slot = above + (sc.x & 0xffffu), cslot = n_cand + (sc.x >> 16);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t idx = uint32_t(lo + i + c);
+        if (gtm & (1u << c)) sel[slot++] = (static_cast<unsigned long long>(kv[c]) << 32) | (0xffffffffu - idx);
+        if (cdm & (1u << c)) cand[cslot++] = make_uint2(kv[c], idx);
+      }
+      above += sc.y & 0xffffu;
+      n_cand += sc.y >> 16;
+    });
+  }
+
+  if (!done1) {  // uniform: `need` of the bin's `eq` keys are still to take
+    // fn(keys, indices) over the bin's keys >= L in index order, four a thread a step (0: none),
+    // from cand or, when they did not fit, from the row.
+    auto cand_sweep = [&](auto&& fn) {
+      if (in_smem) {
+        for (int base = 0; base < int(eq); base += 4 * NT) {
+          uint32_t kv[4], ix[4];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int j = base + 4 * tid + c;
+            const uint2 e = j < int(eq) ? cand[j] : make_uint2(0u, 0u);
+            kv[c] = e.x;
+            ix[c] = e.y;
+          }
+          fn(kv, ix);
+        }
+      } else {
+        sweep([&](int i, const uint4& kk) {
+          uint32_t kv[4] = {kk.x, kk.y, kk.z, kk.w}, ix[4];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            ix[c] = uint32_t(lo + i + c);
+            if ((kv[c] >> kDigit1Shift) != bin || kv[c] < floor_key) kv[c] = 0;
+          }
+          fn(kv, ix);
+        });
+      }
+    };
+    const int2 digits[4] = {{11, 8}, {3, 8}, {0, 3}, {0, 0}};
+    refine(cand_sweep, digits, 3);
+    // Collect the bin's keys above the threshold T, and the first `need` keys equal to it by
+    // index (all keys >= T when the last bin was taken whole), after sel[0, above).
+    const unsigned T = st.prefix;
+    const bool ordered = !st.done;
+    const unsigned need_eq = ordered ? st.need : 0u;
+    unsigned n_gt = 0, running = 0;
+    cand_sweep([&](const uint32_t (&kv)[4], const uint32_t (&ix)[4]) {
+      unsigned gtm = 0, eqm = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool vis = kv[c] != 0;
+        gtm |= unsigned(vis && (ordered ? kv[c] > T : kv[c] >= T)) << c;
+        eqm |= unsigned(ordered && vis && kv[c] == T) << c;
+      }
+      const uint2 sc = block_scan(__popc(gtm) | (__popc(eqm) << 16));
+      unsigned slot = above + n_gt + (sc.x & 0xffffu), rank = running + (sc.x >> 16);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const unsigned long long e = (static_cast<unsigned long long>(kv[c]) << 32) | (0xffffffffu - ix[c]);
+        if (gtm & (1u << c)) sel[slot++] = e;
+        if (eqm & (1u << c)) {
+          if (rank < need_eq) sel[kprime - need_eq + rank] = e;
+          ++rank;
+        }
+      }
+      n_gt += sc.y & 0xffffu;
+      running += sc.y >> 16;
+    });
+  }
+  SortWriteSelected<NT>(sel, kprime, topk, r, out, out_scores);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side
 
@@ -1104,11 +1393,13 @@ int ScoreVariant() {
 // causal, top-k kernel alone: 3.83 ms -> 2.84 ms); 2: FAST with 256 threads a row, four rows an
 // SM (the row cached in shared memory only up to kCacheMaxElems256 keys; 2.84 -> 2.14 ms); 3: 2
 // with the selected keys in index order and CUB's radix sort on the 32-bit keys (2.14 -> 1.47
-// ms). Same results.
-constexpr int kNumTopkVariants = 4;
+// ms); 4: TopkTwoSweepKernel, two sweeps over the row whatever its length. Same results. The
+// default: 3 where the rows fit the shared-memory cache, else 4.
+constexpr int kNumTopkVariants = 5;
 constexpr int kTopkThreads256 = 256;
 constexpr int kCacheMaxElems256 = 8192;  // 32 KiB: four CTAs an SM
-constexpr int kDefaultTopkVariant = 3;
+constexpr int kDefaultTopkVariant = -1;
+int DefaultTopkVariant(int64_t ld) { return ld <= kCacheMaxElems256 ? 3 : 4; }
 
 int TopkVariant() {
   static const int chosen = [] {
@@ -1169,6 +1460,9 @@ cudaError_t TopkPrepare() {
     e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, kCacheMaxElems256 * 4);
     if (e != cudaSuccess) return e;
   }
+  e = cudaFuncSetAttribute(reinterpret_cast<const void*>(&TopkTwoSweepKernel<kTopkThreads256>),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kTwoSweepSmem);
+  if (e != cudaSuccess) return e;
   for (const void* f : {reinterpret_cast<const void*>(&ScoreKernelWg<1, 4, true, true>),
                         reinterpret_cast<const void*>(&ScoreKernelWg<2, 4, true, true>)}) {
     e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem(4));
@@ -1196,11 +1490,12 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
                                                                                  : ScoreVariant();
   const bool score_only = a.stages == 1 || (a.stages == 0 && ScoreOnly());
   const bool topk_only = a.stages == 2;
-  const int topk_variant = a.topk_variant >= 0 && a.topk_variant < kNumTopkVariants ? a.topk_variant
-                                                                                  : TopkVariant();
   const int G = int(a.heads / 32);
   const int BQ = 8 / G;
   const int64_t ld = int64_t(TopkRowStride(a.s_kv));
+  int topk_variant = a.topk_variant >= 0 && a.topk_variant < kNumTopkVariants ? a.topk_variant
+                                                                            : TopkVariant();
+  if (topk_variant < 0) topk_variant = DefaultTopkVariant(ld);
   const int nt = int(ld / kBN);
   unsigned char* ws = static_cast<unsigned char*>(a.workspace);
   float* scores = reinterpret_cast<float*>(ws);
@@ -1239,7 +1534,10 @@ cudaError_t LaunchTopk(const TopkLaunch& a, const char** what) {
       int32_t* oo = a.out + t0 * a.topk;
       float* os = a.out_scores ? a.out_scores + t0 * a.topk : nullptr;
       const size_t smem = cache ? size_t(ld) * 4 : 0;
-      if (topk_variant == 3) {
+      if (topk_variant == 4) {
+        TopkTwoSweepKernel<kTopkThreads256><<<rows, kTopkThreads256, kTwoSweepSmem, a.stream>>>(
+            scores, ld, ranges, int(a.topk), oo, os);
+      } else if (topk_variant == 3) {
         if (ld <= kCacheMaxElems256)
           TopkKernel<true, true, kTopkThreads256, true><<<rows, kTopkThreads256, size_t(ld) * 4, a.stream>>>(
               scores, ld, ranges, int(a.topk), oo, os);

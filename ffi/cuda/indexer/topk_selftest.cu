@@ -8,7 +8,9 @@
 //
 //   topk_selftest            # exit 0: every case passed
 //   topk_selftest --variant V  # the same with score kernel variant V alone
-//   topk_selftest --bench    # CUDA-event times of the kernels at GLM-5 shapes (no checks)
+//   topk_selftest --topk-variant T  # the same with top-k kernel variant T alone
+//   topk_selftest --bench [SHAPE]  # CUDA-event times of the kernels at GLM-5 shapes (no
+//                                  # checks; SHAPE: only the shapes whose name contains it)
 //
 // Built by ffi/cuda/indexer/CMakeLists.txt with JAX_DSA_INDEXER_SELFTEST=ON (not installed).
 
@@ -20,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,12 +45,17 @@ struct Case {
   const char* name;
   int nb, s_q, s_kv, h, topk, chunk_rows;
   int doc;       // > 0: segment ids = position / doc
-  bool ties;     // duplicated and zero key rows
+  int ties;      // 1: duplicated and zero key rows; 2: nine key rows in ten zero (a plateau of
+                 // equal scores at the threshold, more than the two-sweep kernel's candidates);
+                 // 3: every row zero but s % 8 == 4, copies of one (with S_kv 8192, the two-sweep
+                 // kernel's sampled keys are all high: its floor's fallback)
+  bool pos_w;    // positive weights: scores far from zero against their spread
 };
 
 static float Bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 static int g_only_variant = -1;  // --variant V: that score kernel variant alone
+static int g_only_topk = -1;     // --topk-variant T: that top-k variant alone (default scores)
 
 static int RunCase(const Case& c, std::mt19937& rng) {
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -55,11 +63,19 @@ static int RunCase(const Case& c, std::mt19937& rng) {
   std::vector<float> qf(nq * c.h * 128), kf(nk * 128), w(nq * c.h);
   for (auto& x : qf) x = Bf(nd(rng) * 0.5f);
   for (auto& x : kf) x = Bf(nd(rng));
-  for (auto& x : w) x = nd(rng) * 0.1f;
-  if (c.ties) {
+  for (auto& x : w) x = c.pos_w ? std::fabs(nd(rng)) * 0.1f + 0.05f : nd(rng) * 0.1f;
+  if (c.ties == 1) {
     for (int64_t s = 0; s < nk; ++s) {
       if (s % 5 == 1) std::copy(&kf[(s - 1) * 128], &kf[s * 128], &kf[s * 128]);  // duplicate
       if (s % 7 == 3) std::fill(&kf[s * 128], &kf[(s + 1) * 128], 0.f);           // zero row
+    }
+  } else if (c.ties == 2) {
+    for (int64_t s = 0; s < nk; ++s)
+      if (s % 10 != 0) std::fill(&kf[s * 128], &kf[(s + 1) * 128], 0.f);
+  } else if (c.ties == 3) {
+    for (int64_t s = 0; s < nk; ++s) {
+      if (s % 8 != 4) std::fill(&kf[s * 128], &kf[(s + 1) * 128], 0.f);
+      else std::copy(&kf[4 * 128], &kf[5 * 128], &kf[s * 128]);
     }
   }
   std::vector<int32_t> qp(nq), kp(nk), qs(nq), ks(nk);
@@ -106,13 +122,13 @@ static int RunCase(const Case& c, std::mt19937& rng) {
   const int nsv = jax_dsa::indexer::TopkScoreVariants();
   const int ncombo = nsv + jax_dsa::indexer::TopkTopkVariants();
   for (int v = 0; v < ncombo; ++v) {
-    if (g_only_variant >= 0 && v != 0) break;
+    if ((g_only_variant >= 0 || g_only_topk >= 0) && v != 0) break;
     const int sv = v < nsv ? v : -1, tv = v < nsv ? -1 : v - nsv;  // then each top-k variant
     TopkLaunch a{dq, dk, static_cast<float*>(dw), static_cast<int32_t*>(dqp), static_cast<int32_t*>(dkp),
                  static_cast<int32_t*>(dqs), static_cast<int32_t*>(dks), static_cast<int32_t*>(dout), dws,
                  c.nb, c.s_q, c.s_kv, c.h, c.topk, c.chunk_rows, nullptr};
     a.score_variant = g_only_variant >= 0 ? g_only_variant : sv;
-    a.topk_variant = tv;
+    a.topk_variant = g_only_topk >= 0 ? g_only_topk : tv;
     CHECK_CUDA(cudaMemset(dout, 0x7f, nq * c.topk * 4));  // poison
     CHECK_CUDA(cudaMemset(dws, 0xff, ws));                // NaN scores where unwritten
     const char* what = "";
@@ -259,9 +275,9 @@ __global__ void FillBf16(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = __float2bfloat16(Gauss(i, seed, scale));
 }
-__global__ void FillF32(float* x, int64_t n, uint64_t seed, float scale) {
+__global__ void FillF32(float* x, int64_t n, uint64_t seed, float scale, bool positive) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    x[i] = Gauss(i, seed, scale);
+    x[i] = positive ? fabsf(Gauss(i, seed, scale)) : Gauss(i, seed, scale);
 }
 __global__ void FillIota(int32_t* x, int64_t n, int32_t off) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -276,16 +292,18 @@ static float Median(std::vector<float> v) {
 // CUDA-event times (median of reps) of the whole launch, the score kernels alone per variant and
 // the top-k kernel alone (per top-k variant; on the last chunk's scores, so with several chunks it
 // times the longest rows' chunk that many times), at GLM-5 shapes.
-static int Bench() {
+static int Bench(const char* only) {
   struct Shape {
     const char* name;
     int h, s_q, s_kv, off;
+    bool pos_w;  // positive weights: every score > 0, crowded top bits
   };
-  const Shape shapes[] = {{"glm5 4k causal", 32, 4096, 4096, 0},
-                          {"glm5 16k causal", 32, 16384, 16384, 0},
-                          {"glm5 32k causal", 32, 32768, 32768, 0},
-                          {"glm5 128k kv, last 4096 q", 32, 4096, 131072, 131072 - 4096},
-                          {"v3.2 16k causal (h64)", 64, 16384, 16384, 0}};
+  const Shape shapes[] = {{"glm5 4k causal", 32, 4096, 4096, 0, false},
+                          {"glm5 16k causal", 32, 16384, 16384, 0, false},
+                          {"glm5 32k causal", 32, 32768, 32768, 0, false},
+                          {"glm5 128k kv, last 4096 q", 32, 4096, 131072, 131072 - 4096, false},
+                          {"v3.2 16k causal (h64)", 64, 16384, 16384, 0, false},
+                          {"glm5 16k causal, w > 0", 32, 16384, 16384, 0, true}};
   const int topk = 2048, reps = 10;
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
@@ -295,6 +313,7 @@ static int Bench() {
   for (int v = 0; v < jax_dsa::indexer::TopkScoreVariants(); ++v) std::printf("  score v%d", v);
   std::printf("   TFLOP/s (best score)\n");
   for (const Shape& sh : shapes) {
+    if (only && !std::strstr(sh.name, only)) continue;
     const int64_t ld = int64_t(jax_dsa::indexer::TopkRowStride(sh.s_kv));
     int64_t rows = std::max<int64_t>(8, ((int64_t(1) << 30) / (ld * 4)) / 8 * 8);
     rows = std::min<int64_t>(rows, (sh.s_q + 7) / 8 * 8);
@@ -311,7 +330,7 @@ static int Bench() {
     FillBf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(dq), int64_t(sh.s_q) * sh.h * 128, 1, 0.5f);
     FillBf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(dk), int64_t(sh.s_kv) * 128, 777777777, 1.f);
     FillF32<<<1024, 256>>>(static_cast<float*>(dw), int64_t(sh.s_q) * sh.h, 555555555,
-                           1.f / std::sqrt(float(sh.h) * 128.f));
+                           1.f / std::sqrt(float(sh.h) * 128.f), sh.pos_w);
     FillIota<<<256, 256>>>(static_cast<int32_t*>(dqp), sh.s_q, sh.off);
     FillIota<<<256, 256>>>(static_cast<int32_t*>(dkp), sh.s_kv, 0);
     CHECK_CUDA(cudaMemset(dseg, 0, int64_t(std::max(sh.s_q, sh.s_kv)) * 4));
@@ -340,6 +359,7 @@ static int Bench() {
     const float topk_only = time(-1, 2);
     std::vector<float> topk_v;
     for (int v = 0; v < jax_dsa::indexer::TopkTopkVariants(); ++v) topk_v.push_back(time(-1, 2, v));
+
     double visible = 0;
     for (int t = 0; t < sh.s_q; ++t) visible += std::min<int64_t>(int64_t(t) + sh.off + 1, sh.s_kv);
     const double flops = 2.0 * sh.h * 128 * visible;
@@ -380,15 +400,19 @@ static int Bench() {
 }
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--bench") return Bench();
+  if (argc > 1 && std::string(argv[1]) == "--bench") return Bench(argc > 2 ? argv[2] : nullptr);
   if (argc > 2 && std::string(argv[1]) == "--variant") g_only_variant = std::atoi(argv[2]);
+  if (argc > 2 && std::string(argv[1]) == "--topk-variant") g_only_topk = std::atoi(argv[2]);
   std::mt19937 rng(1234);
   const Case cases[] = {
-      {"h32 causal, 2 batch, chunks of 16", 2, 77, 333, 32, 64, 16, 0, false},
-      {"h64 docs of 37, topk > S_kv", 1, 50, 200, 64, 512, 24, 37, false},
-      {"h32 long rows (no smem cache)", 1, 8, 50000, 32, 100, 8, 0, false},
-      {"h32 exact ties (duplicate and zero keys)", 1, 40, 256, 32, 48, 40, 0, true},
-      {"h64 exact ties, topk 2048", 1, 16, 2500, 64, 2048, 8, 0, true},
+      {"h32 causal, 2 batch, chunks of 16", 2, 77, 333, 32, 64, 16, 0, 0, false},
+      {"h64 docs of 37, topk > S_kv", 1, 50, 200, 64, 512, 24, 37, 0, false},
+      {"h32 long rows (no smem cache)", 1, 8, 50000, 32, 100, 8, 0, 0, false},
+      {"h32 exact ties (duplicate and zero keys)", 1, 40, 256, 32, 48, 40, 0, 1, false},
+      {"h64 exact ties, topk 2048", 1, 16, 2500, 64, 2048, 8, 0, 1, false},
+      {"h32 long rows, topk 2048, positive weights", 1, 8, 20000, 32, 2048, 8, 0, 0, true},
+      {"h32 long rows, a plateau of zero scores, topk 2048", 1, 8, 30000, 32, 2048, 8, 0, 2, false},
+      {"h32 sampled keys above the rest, topk 2048", 1, 8, 8192, 32, 2048, 8, 0, 3, true},
   };
   int fails = 0;
   for (const Case& c : cases) fails += RunCase(c, rng);

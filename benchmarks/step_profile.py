@@ -1,0 +1,102 @@
+"""Where a layer's training step spends its GPU time: the kernels of one jitted forward+backward,
+from a JAX profiler trace.
+
+    python benchmarks/step_profile.py --glm5 16384 --v4 8192 [--steps 5] [--top 25] [--out FILE]
+
+``--glm5 S``: GLM-5's ``DSAAttention`` in sparse mode with the indexer KL loss (the step of
+``benchmarks/dsa_layer.py``); ``--v4 S``: DeepSeek V4-Flash's CSA and HCA layers (the step of
+``benchmarks/v4_layers.py time``). Each step is compiled and run twice, then ``--steps`` runs
+are traced (``jax.profiler.trace``); the trace's GPU plane gives every kernel's duration, summed
+per kernel name and divided by the steps: ms a step, launches a step, share of the kernels' sum.
+``busy_ms`` is the sum over all kernels (streams may overlap, so it can differ from the wall
+time, which is reported too). ``--implementation`` goes to every op (``None``: each op's default
+order for the platform). Meant for GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import dsa_layer, v4_layers  # noqa: E402
+from jax_dsa.configs import get_config  # noqa: E402
+from jax_dsa.configs.v4 import CSA, HCA  # noqa: E402
+
+
+def kernel_times(step, args, steps: int, top: int) -> dict:
+    """Per-kernel GPU time of ``step(*args)`` averaged over ``steps`` traced runs."""
+    for _ in range(2):
+        jax.block_until_ready(step(*args))
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                jax.block_until_ready(step(*args))
+        wall = (time.perf_counter() - t0) / steps
+        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if not planes:
+        raise RuntimeError("no GPU plane in the trace: " + ", ".join(p.name for p in data.planes))
+    total, count = collections.Counter(), collections.Counter()
+    for line in planes[0].lines:
+        if not line.name.startswith("Stream"):  # kernels and copies; not the XLA op lines
+            continue
+        for ev in line.events:
+            total[ev.name] += ev.duration_ns
+            count[ev.name] += 1
+    busy = sum(total.values())
+    kernels = [{"name": name[:160], "ms": round(ns / steps / 1e6, 3),
+                "launches": count[name] // steps, "share": round(ns / busy, 4)}
+               for name, ns in total.most_common(top)]
+    return {"wall_ms_traced": round(1e3 * wall, 3), "busy_ms": round(busy / steps / 1e6, 3),
+            "kernels": kernels}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--glm5", type=int, default=None, help="GLM-5 layer at this sequence length")
+    p.add_argument("--v4", type=int, default=None, help="V4-Flash CSA and HCA at this length")
+    p.add_argument("--implementation", default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip() or None
+    out = {"benchmark": "benchmarks/step_profile.py", "date": datetime.date.today().isoformat(),
+           "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit,
+           "implementation": a.implementation, "steps": a.steps, "profiles": {}}
+    if a.glm5:
+        step, params, x = dsa_layer.make_layer_step(get_config("glm5"), a.glm5, a.implementation)
+        out["profiles"][f"glm5 DSAAttention sparse {a.glm5}"] = kernel_times(
+            step, (params, x), a.steps, a.top)
+    if a.v4:
+        c = get_config("deepseek-v4-flash")
+        for t in (CSA, HCA):
+            step, params, x = v4_layers.make_layer_step(c, c.layer_types.index(t), a.v4,
+                                                        a.implementation, jnp.bfloat16)
+            out["profiles"][f"v4-flash {t} {a.v4}"] = kernel_times(step, (params, x), a.steps,
+                                                                   a.top)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        pathlib.Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
