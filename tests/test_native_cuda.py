@@ -131,6 +131,9 @@ def test_glue_keeps_lists_that_are_valid_first():
     np.testing.assert_array_equal(g_idx, want)
     np.testing.assert_array_equal(g_len, np.maximum(n, 1))
     np.testing.assert_array_equal(empty, n == 0)
+    # the sort sits in one branch of a conditional, not on the path of every call
+    text = glue.lower(jnp.asarray(idx, jnp.int32), jnp.asarray(length), s_kv).as_text()
+    assert "stablehlo.case" in text and "stablehlo.sort" in text
 
 
 def test_unsupported_calls_are_refused_with_the_rule():
