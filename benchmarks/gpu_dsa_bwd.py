@@ -86,20 +86,20 @@ def grads(c, impl, sm_scale, dtype=None):
 
 def accuracy(rng):
     cases = [
-        ("glm5 H64 D576 K2048 S_q200 S_kv3000", (), 200, 3000, 64, 576, 2048, False, False, 1 / 16),
+        ("glm5 H64 D576 K2048 S_q200 S_kv3000", (), 200, 3000, 64, 576, 2048, False, False, 1 / 16, False),
         ("glm5 H64 D576 K2048 S_q200 S_kv3000, valid-first lists (the glue's sort skipped)", (),
-         200, 3000, 64, 576, 2048, False, False, 1 / 16),
-        ("v4 H64 D512 K512 sink S_q77 S_kv1000 +topk_length", (), 77, 1000, 64, 512, 512, True, True, 512**-0.5),
-        ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False, 512**-0.5),
-        ("glue B2 H16 D576 K300 sink S_q70 S_kv400 +topk_length", (2,), 70, 400, 16, 576, 300, True, True, 0.07),
+         200, 3000, 64, 576, 2048, False, False, 1 / 16, True),
+        ("v4 H64 D512 K512 sink S_q77 S_kv1000 +topk_length", (), 77, 1000, 64, 512, 512, True, True, 512**-0.5, False),
+        ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False, 512**-0.5, False),
+        ("glue B2 H16 D576 K300 sink S_q70 S_kv400 +topk_length", (2,), 70, 400, 16, 576, 300, True, True, 0.07, False),
         # past the last slot bucket: the wide variant (K a run-time size)
-        ("wide H64 D576 K4096 S_q100 S_kv6000 +topk_length", (), 100, 6000, 64, 576, 4096, False, True, 1 / 16),
-        ("wide H64 D512 K8320 sink S_q64 S_kv9000", (), 64, 9000, 64, 512, 8320, True, False, 512**-0.5),
+        ("wide H64 D576 K4096 S_q100 S_kv6000 +topk_length", (), 100, 6000, 64, 576, 4096, False, True, 1 / 16, False),
+        ("wide H64 D512 K8320 sink S_q64 S_kv9000", (), 64, 9000, 64, 512, 8320, True, False, 512**-0.5, False),
     ]
     rows = []
-    for name, batch, s_q, s_kv, h, d, k, sink, lengths, scale in cases:
-        c = make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths,
-                      valid_first="valid-first" in name)
+    # (..., valid_first): each row's valid slots first, -1 after (the layers' lists)
+    for name, batch, s_q, s_kv, h, d, k, sink, lengths, scale, valid_first in cases:
+        c = make_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths, valid_first=valid_first)
         got = grads(c, "cuda", scale)
         with jax.enable_x64(True):
             ref = grads(c, "xla", scale, dtype=jnp.float64)

@@ -1398,14 +1398,13 @@ int ScoreVariant() {
 constexpr int kNumTopkVariants = 5;
 constexpr int kTopkThreads256 = 256;
 constexpr int kCacheMaxElems256 = 8192;  // 32 KiB: four CTAs an SM
-constexpr int kDefaultTopkVariant = -1;
 int DefaultTopkVariant(int64_t ld) { return ld <= kCacheMaxElems256 ? 3 : 4; }
 
 int TopkVariant() {
   static const int chosen = [] {
     const char* v = std::getenv("JAX_DSA_INDEXER_TOPK_VARIANT");
     if (v && v[0] >= '0' && v[0] < '0' + kNumTopkVariants && v[1] == 0) return v[0] - '0';
-    return kDefaultTopkVariant;
+    return -1;  // by the row stride: DefaultTopkVariant
   }();
   return chosen;
 }

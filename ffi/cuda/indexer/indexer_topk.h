@@ -14,9 +14,12 @@
 // relu + weighted head sum in registers, -inf for invisible keys (mma.sync variants kept for
 // comparison); the key tiles that no query of a CTA can see are skipped and the row's scanned
 // range [lo, hi) is recorded; (3) the top-k kernel: one 256-thread CTA per row,
-// radix select on order-preserving uint32 keys (8 bits a pass), lowest-index tie rule by an
-// ordered prefix count, the selected keys collected in index order and sorted by a stable block
-// radix sort (CUB) on their keys; optionally the selected keys' scores beside their indices.
+// radix select on order-preserving uint32 keys (up to 8192 keys the row cached in shared memory,
+// 8 bits a pass; past that two sweeps over the row: a 13-bit histogram of the keys above a floor
+// sampled from the row, then the threshold bin's keys selected in shared memory), lowest-index
+// tie rule by an ordered prefix count, the selected keys collected in index order and sorted by a
+// stable block radix sort (CUB) on their keys; optionally the selected keys' scores beside their
+// indices.
 #pragma once
 
 #include <cuda_runtime.h>
