@@ -80,7 +80,11 @@ def main(argv=None):
                             text=True, cwd=ROOT).stdout.strip() or None
     out = {"benchmark": "benchmarks/step_profile.py", "date": datetime.date.today().isoformat(),
            "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit,
-           "implementation": a.implementation, "steps": a.steps, "profiles": {}}
+           "implementation": a.implementation, "steps": a.steps,
+           "shapes": "one batch row, bfloat16, random weights; glm5: hidden 6144, H 64, D_qk 576, "
+                     "index 32 x 128, top-k 2048, sparse mode with the KL loss; v4-flash: its config "
+                     "(H 64, head_dim 512, index 64 x 128, top-k 512, window 128)",
+           "profiles": {}}
     if a.glm5:
         step, params, x = dsa_layer.make_layer_step(get_config("glm5"), a.glm5, a.implementation)
         out["profiles"][f"glm5 DSAAttention sparse {a.glm5}"] = kernel_times(
