@@ -43,6 +43,12 @@ def test_cuda_module_loads_or_reports_why():
         assert not EXPECT_CUDA, f"nvcc is on PATH but the CUDA module did not load: {reason}"
 
 
+def _cuda_runs_here():
+    if "cuda" not in _native.available() or jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
 needs_cuda = pytest.mark.skipif("cuda" not in _native.available(),
                                 reason=f"CUDA module not built: {_native.LOAD_ERRORS.get('_cuda')}")
 
@@ -88,52 +94,83 @@ def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
     assert f"tensor<{ws}xui8>" in result_types
     assert "sm_scale" in attrs
     assert sparse_mla_cpu.CPU_BWD_TARGET not in text
+    # the slot lists' stable partition is one kernel call, not a sort or a host-read branch
+    assert sparse_mla_cuda.COMPACT_TARGET in {c[0] for c in calls}
+    assert "stablehlo.sort" not in text and "stablehlo.case" not in text
 
 
-def test_glue_normalises_indices_to_a_valid_prefix():
-    """The index glue alone (pure JAX): valid slots first, in order, -1 after, global rows."""
-    rng = np.random.default_rng(0)
-    nb, s_q, s_kv, k = 2, 9, 7, 5
-    idx = rng.integers(-3, 10, (nb, s_q, k)).astype(np.int32)
-    idx[1, 2] = -1
-    length = rng.integers(0, k + 1, (nb, s_q)).astype(np.int32)
-    g_idx, g_len, empty = sparse_mla_cuda.cuda_index_glue(jnp.asarray(idx), jnp.asarray(length), s_kv)
-    g_idx, g_len, empty = map(np.asarray, (g_idx, g_len, empty))
-    assert g_idx.shape == (nb, s_q, k)
+def _glue_oracle(idx, length, s_kv, k_out):
+    """The backward glue's contract in numpy: each row's valid slots (in range, before
+    topk_length) as global rows first, in order, -1 after; an empty row gets row 0 of its batch
+    element."""
+    nb, s_q, k = idx.shape
+    want = np.full((nb, s_q, k_out), -1, np.int32)
+    count = np.zeros((nb, s_q), np.int32)
     for b in range(nb):
         for t in range(s_q):
             valid = [int(j) + b * s_kv for pos, j in enumerate(idx[b, t])
                      if 0 <= j < s_kv and pos < length[b, t]]
-            if valid:
-                assert not empty[b, t] and g_len[b, t] == len(valid)
-                np.testing.assert_array_equal(g_idx[b, t, :len(valid)], valid)
-                assert np.all(g_idx[b, t, len(valid):] == -1)
-            else:  # one safe slot (row 0 of this batch element), masked by lse=+inf, dout=0
-                assert empty[b, t] and g_len[b, t] == 1 and g_idx[b, t, 0] == b * s_kv
+            count[b, t] = len(valid)
+            want[b, t, :len(valid)] = valid
+            if not valid:
+                want[b, t, 0] = b * s_kv
+    return want, np.maximum(count, 1), count == 0
 
 
-def test_glue_keeps_lists_that_are_valid_first():
-    """Rows already valid-first (the layers' top-k and window lists) skip the sort: the same
-    global rows, under jit too, with an empty row and a row cut by topk_length."""
-    nb, s_q, s_kv, k = 2, 6, 11, 4
-    rng = np.random.default_rng(1)
-    count = rng.integers(0, k + 1, (nb, s_q))
-    count[0, 0], count[1, 1] = 0, k
-    idx = np.where(np.arange(k) < count[..., None], rng.integers(0, s_kv, (nb, s_q, k)), -1)
-    length = np.full((nb, s_q), k, np.int32)
-    length[1, 1] = 2  # valid slots past topk_length: still a prefix
-    glue = jax.jit(sparse_mla_cuda.cuda_index_glue, static_argnums=2)
-    g_idx, g_len, empty = map(np.asarray, glue(jnp.asarray(idx, jnp.int32), jnp.asarray(length),
-                                               s_kv))
-    n = np.minimum(count, length)
-    want = np.where(np.arange(k) < n[..., None], idx + (np.arange(nb) * s_kv)[:, None, None], -1)
-    want[..., 0] = np.where(n == 0, (np.arange(nb) * s_kv)[:, None], want[..., 0])  # safe slot
+def _glue_case(seed, nb=2, s_q=9, s_kv=7, k=5):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-3, s_kv + 3, (nb, s_q, k)).astype(np.int32)
+    idx[-1, min(2, s_q - 1)] = -1
+    length = rng.integers(0, k + 1, (nb, s_q)).astype(np.int32)
+    return idx, length, s_kv
+
+
+def test_slot_rows_mask_in_place_and_count():
+    """The glue's elementwise part (pure JAX, on the host): global rows of the valid slots where
+    they stand, -1 elsewhere, the safe slot of an empty row; its stable partition is the
+    contract."""
+    idx, length, s_kv = _glue_case(0)
+    rows, g_len, empty = map(np.asarray, sparse_mla_cuda.cuda_slot_rows(
+        jnp.asarray(idx), jnp.asarray(length), s_kv))
+    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, idx.shape[-1])
+    np.testing.assert_array_equal(g_len, want_len)
+    np.testing.assert_array_equal(empty, want_empty)
+    part = np.stack([np.concatenate([r[r >= 0], r[r < 0]]) for r in rows.reshape(-1, rows.shape[-1])])
+    np.testing.assert_array_equal(part.reshape(want.shape), want)
+
+
+def test_glue_compacts_in_one_custom_call_without_sort_or_branch():
+    """The stable partition is the _cuda module's compaction kernel: no XLA sort, no conditional
+    (whose predicate XLA reads on the host), the bucket's padding in the same call."""
+    idx, length, s_kv = _glue_case(1)
+    nb, s_q, k = idx.shape
+    text = jax.jit(sparse_mla_cuda.cuda_index_glue, static_argnums=(2, 3)).trace(
+        jnp.asarray(idx), jnp.asarray(length), s_kv, 8).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\) .*: \((.*?)\) -> (.*)", text)
+    assert [c[0] for c in calls] == [sparse_mla_cuda.COMPACT_TARGET]
+    assert f"tensor<{nb * s_q}x{k}xi32>" in calls[0][2] and f"tensor<{nb * s_q}x8xi32>" in calls[0][3]
+    assert "stablehlo.sort" not in text and "stablehlo.case" not in text
+    with pytest.raises(ValueError, match="k_out=4 must be >= K=5"):
+        sparse_mla_cuda.compact_slots(jnp.asarray(idx.reshape(-1, k)), 4)
+
+
+@pytest.mark.skipif(not _cuda_runs_here(), reason="needs the CUDA module and an SM90 GPU")
+@pytest.mark.parametrize("seed,nb,s_q,s_kv,k,k_out", [
+    (2, 2, 9, 7, 5, 5), (3, 2, 9, 7, 5, 12),        # bucket padding
+    (4, 1, 300, 5000, 2048, 2048),                  # one tile of the kernel exactly
+    (5, 2, 40, 900, 4500, 4608)])                   # several tiles a row
+def test_glue_on_the_gpu_matches_the_contract(seed, nb, s_q, s_kv, k, k_out):
+    idx, length, s_kv = _glue_case(seed, nb, s_q, s_kv, k)
+    idx[0, 0] = -1  # an empty row
+    length[-1, -1] = k
+    idx[-1, -1] = np.arange(k) % s_kv  # a full row
+    g_idx, g_len, empty = map(np.asarray, jax.jit(
+        sparse_mla_cuda.cuda_index_glue, static_argnums=(2, 3))(
+            jnp.asarray(idx), jnp.asarray(length), s_kv, k_out))
+    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, k_out)
     np.testing.assert_array_equal(g_idx, want)
-    np.testing.assert_array_equal(g_len, np.maximum(n, 1))
-    np.testing.assert_array_equal(empty, n == 0)
-    # the sort sits in one branch of a conditional, not on the path of every call
-    text = glue.lower(jnp.asarray(idx, jnp.int32), jnp.asarray(length), s_kv).as_text()
-    assert "stablehlo.case" in text and "stablehlo.sort" in text
+    np.testing.assert_array_equal(g_len, want_len)
+    np.testing.assert_array_equal(empty, want_empty)
 
 
 def test_unsupported_calls_are_refused_with_the_rule():

@@ -19,6 +19,7 @@
 #include <nanobind/nanobind.h>
 
 #include "cuda/dsa_bwd_launch.h"
+#include "cuda/slot_compact.h"
 #include "cuda/sparse_mla_fwd_variants.h"
 #include "common/ffi_shapes.h"
 #include "xla/ffi/api/ffi.h"
@@ -111,8 +112,32 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
   return e == cudaSuccess ? ffi::Error::Success() : CudaError(what.c_str(), e);
 }
 
+// The glue's stable partition of the slot lists (slot_compact.h): rows [T, K_in] -> [T, K_out],
+// the entries >= 0 first in their order, -1 after (K_out >= K_in: the slot bucket's padding).
+ffi::Error CompactSlots(cudaStream_t stream, ffi::Buffer<ffi::S32, 2> rows,
+                        ffi::ResultBuffer<ffi::S32, 2> out) {
+  const int64_t t = rows.dimensions()[0], k_in = rows.dimensions()[1], k_out = out->dimensions()[1];
+  if (out->dimensions()[0] != t || k_out < k_in)
+    return Invalid("compacted slots " + Dims(out->dimensions()) + " must be [T, K_out >= " +
+                   std::to_string(k_in) + "] for rows " + Dims(rows.dimensions()));
+  if (t > INT32_MAX || k_out > INT32_MAX / 2) return Invalid("too many slot rows or slots for 32-bit extents");
+  cudaError_t e = LaunchCompactSlots(rows.typed_data(), out->typed_data(), t, k_in, k_out, stream);
+  return e == cudaSuccess ? ffi::Error::Success() : CudaError("compacting the slot lists", e);
+}
+
 }  // namespace
 }  // namespace jax_dsa
+
+#define JAX_DSA_COMPACT_BINDING                                      \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
+      .Arg<ffi::Buffer<ffi::S32, 2>>()   /* rows */                  \
+      .Ret<ffi::Buffer<ffi::S32, 2>>()   /* compacted rows */
+
+// One kernel launch on XLA's stream: capture-safe.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaCompactSlotsCuda, jax_dsa::CompactSlots, JAX_DSA_COMPACT_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaCompactSlotsCudaNoGraph, jax_dsa::CompactSlots, JAX_DSA_COMPACT_BINDING);
 
 #define JAX_DSA_BWD_BINDING                                          \
   ffi::Ffi::Bind()                                                   \
@@ -163,6 +188,7 @@ NB_MODULE(_cuda, m) {
     stages["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaDsaBwdCudaInit));
     stages["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaDsaBwdCuda : JaxDsaDsaBwdCudaNoGraph));
     d["jax_dsa_dsa_bwd_cuda"] = stages;
+    d["jax_dsa_compact_slots_cuda"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaCompactSlotsCuda : JaxDsaCompactSlotsCudaNoGraph));
     nb::dict fwd;
     fwd["initialize"] = nb::capsule(reinterpret_cast<void*>(JaxDsaSparseMlaFwdCudaInit));
     fwd["execute"] = nb::capsule(reinterpret_cast<void*>(graphs ? JaxDsaSparseMlaFwdCuda : JaxDsaSparseMlaFwdCudaNoGraph));

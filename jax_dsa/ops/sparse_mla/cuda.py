@@ -19,6 +19,7 @@ from jax_dsa.ops.sparse_mla.config import Call, Config
 
 
 CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
+COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's stable partition
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
 # -1 to the smallest slot bucket >= K (past the last, the wide variant takes K as it is);
 # topk_length makes the kernel stop at each row's valid count.
@@ -171,27 +172,42 @@ def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:
     return 2 * r(r(s_q, 64) * h * 4, 128) + r(r(s_kv, 64) * r(d_qk, 32) * 4, 128)
 
 
-def cuda_index_glue(indices, topk_length, s_kv):
-    """``[B, S_q, K]`` indices -> (global rows with the valid slots first and -1 after,
-    per-row count >= 1, rows that had no valid slot). An empty row gets one slot, row 0 of its
-    batch element, which the caller masks with lse = +inf and dout = 0. The stable partition
-    (a sort) runs only when some row has an invalid slot before a valid one: the layers' slot
-    lists (top-k, windows) come valid-first already, and the sort costs ~1.4 ms at 16K x 2048.
-    (XLA reads the conditional's predicate on the host: one stream synchronisation a call.)"""
+def cuda_slot_rows(indices, topk_length, s_kv):
+    """``[B, S_q, K]`` indices -> (global rows of the valid slots in place, -1 elsewhere; per-row
+    valid count >= 1; rows that had no valid slot). An empty row gets one slot, row 0 of its
+    batch element, which the caller masks with lse = +inf and dout = 0. Pure JAX, elementwise:
+    :func:`compact_slots` then moves each row's valid slots to the front."""
     nb, _, k = indices.shape
     pos = jnp.arange(k, dtype=jnp.int32)
     valid = (indices >= 0) & (indices < s_kv) & (pos < topk_length[..., None])
     count = jnp.sum(valid, axis=-1, dtype=jnp.int32)
-    valid_sorted = pos < count[..., None]
-    idx = jax.lax.cond(
-        jnp.all(valid == valid_sorted), lambda: indices,
-        lambda: jnp.take_along_axis(
-            indices, jnp.argsort(jnp.logical_not(valid), axis=-1, stable=True), axis=-1))
-    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
-    idx = jnp.where(valid_sorted, idx + offset, -1)
     empty = count == 0
-    idx = idx.at[..., 0].set(jnp.where(empty, offset[..., 0], idx[..., 0]))
-    return idx, jnp.maximum(count, 1), empty
+    offset = (jnp.arange(nb, dtype=jnp.int32) * s_kv)[:, None, None]
+    rows = jnp.where(valid, indices + offset, -1)
+    rows = jnp.where(empty[..., None] & (pos == 0), offset, rows)
+    return rows, jnp.maximum(count, 1), empty
+
+
+def compact_slots(rows, k_out: int):
+    """``rows [T, K]`` int32 -> ``[T, k_out]`` (``k_out >= K``): each row's entries >= 0 moved to
+    its front in their order, -1 after. One kernel of the ``_cuda`` module (a block scan a row),
+    without the host round trip or the sort an XLA partition would need."""
+    t, k = rows.shape
+    if k_out < k:
+        raise ValueError(f"compact_slots: k_out={k_out} must be >= K={k}")
+    return jax.ffi.ffi_call(COMPACT_TARGET, jax.ShapeDtypeStruct((t, k_out), jnp.int32),
+                            vmap_method="sequential")(rows)
+
+
+def cuda_index_glue(indices, topk_length, s_kv, k_out=None):
+    """``[B, S_q, K]`` indices -> (``[B, S_q, k_out]`` global rows with the valid slots first and
+    -1 after, per-row count >= 1, rows that had no valid slot): :func:`cuda_slot_rows`, then
+    :func:`compact_slots` (``k_out`` defaults to ``K``)."""
+    nb, s_q, k = indices.shape
+    k_out = k if k_out is None else k_out
+    rows, length, empty = cuda_slot_rows(indices, topk_length, s_kv)
+    idx = compact_slots(rows.reshape(nb * s_q, k), k_out).reshape(nb, s_q, k_out)
+    return idx, length, empty
 
 
 def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v):
@@ -207,9 +223,7 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
     kb = slot_bucket(k)
 
-    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv)
-    if kb > k:
-        idx = jnp.pad(idx, ((0, 0), (0, 0), (0, kb - k)), constant_values=-1)
+    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv, kb)
 
     bf = jnp.bfloat16
     dout = jnp.where(empty[..., None, None], 0, dout.astype(bf))
