@@ -75,8 +75,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     a = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip() or None
     out = {"benchmark": "benchmarks/step_profile.py", "date": datetime.date.today().isoformat(),
            "gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit,
