@@ -132,10 +132,16 @@ def test_slot_rows_mask_in_place_and_count():
     idx, length, s_kv = _glue_case(0)
     rows, g_len, empty = map(np.asarray, sparse_mla_cuda.cuda_slot_rows(
         jnp.asarray(idx), jnp.asarray(length), s_kv))
-    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, idx.shape[-1])
+    nb, s_q, k = idx.shape
+    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, k)
     np.testing.assert_array_equal(g_len, want_len)
     np.testing.assert_array_equal(empty, want_empty)
-    part = np.stack([np.concatenate([r[r >= 0], r[r < 0]]) for r in rows.reshape(-1, rows.shape[-1])])
+    valid = (idx >= 0) & (idx < s_kv) & (np.arange(k) < length[..., None])
+    offset = (np.arange(nb) * s_kv)[:, None, None]
+    in_place = np.where(valid, idx + offset, -1)
+    in_place[..., 0] = np.where(want_empty, offset[..., 0], in_place[..., 0])
+    np.testing.assert_array_equal(rows, in_place)
+    part = np.stack([np.concatenate([r[r >= 0], r[r < 0]]) for r in rows.reshape(-1, k)])
     np.testing.assert_array_equal(part.reshape(want.shape), want)
 
 
