@@ -7,8 +7,7 @@ then its speed. Run on an SM90 GPU (H100/H200) with jax_dsa's CUDA module built.
    first and a steady execution (the first includes loading the kernel modules; no JIT).
 2. Accuracy: dq, dkv, d_attn_sink of sparse_mla(..., implementation="cuda") (bfloat16) against
    the same gradients computed in float64 by the pure-JAX implementation, at GLM-5 shapes
-   (H 64, D_qk 576, K 2048, no sink; also with valid-first lists, the layers' case, where the
-   glue skips its sort) and DeepSeek V4 shapes (H 64, D_qk 512, K 512 and 640, with
+   (H 64, D_qk 576, K 2048, no sink; also with valid-first lists, the layers' case) and DeepSeek V4 shapes (H 64, D_qk 512, K 512 and 640, with
    a sink), with -1 and out-of-range slots, an empty row, duplicates across queries, S_q not a
    multiple of 64, plus a batched H 16 / K 300 case for the glue (head and slot padding).
    Pass: every gradient finite, relative L2 error <= 1e-2.
@@ -87,7 +86,7 @@ def grads(c, impl, sm_scale, dtype=None):
 def accuracy(rng):
     cases = [
         ("glm5 H64 D576 K2048 S_q200 S_kv3000", (), 200, 3000, 64, 576, 2048, False, False, 1 / 16, False),
-        ("glm5 H64 D576 K2048 S_q200 S_kv3000, valid-first lists (the glue's sort skipped)", (),
+        ("glm5 H64 D576 K2048 S_q200 S_kv3000, valid-first lists (the layers' case)", (),
          200, 3000, 64, 576, 2048, False, False, 1 / 16, True),
         ("v4 H64 D512 K512 sink S_q77 S_kv1000 +topk_length", (), 77, 1000, 64, 512, 512, True, True, 512**-0.5, False),
         ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False, 512**-0.5, False),
