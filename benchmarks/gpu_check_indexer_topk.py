@@ -167,7 +167,7 @@ def run_case(rep, name, rng, nb, s_q, s_kv, h, topk, *, q_pos=None, kv_pos=None,
         elif ws_check and nb == 1:
             rows = tc.chunk_rows(s_q, s_kv)
             if rows >= s_q:
-                _, ws = jax.jit(lambda *a: tc.topk_call(*a, min(topk, s_kv)))(
+                _, ws, _ = jax.jit(lambda *a: tc.topk_call(*a, min(topk, s_kv)))(
                     qj, kj, wj, jnp.asarray(q_pos), jnp.asarray(kv_pos),
                     None if q_seg is None else jnp.asarray(q_seg),
                     None if kv_seg is None else jnp.asarray(kv_seg))

@@ -5,7 +5,10 @@
 GLM-5's indexer (index heads 32, head dim 128, topk 2048) at S_q = S_kv in {4096, 16384, 32768}
 causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 heads at 16384.
 Each time is the median of --reps jitted calls after 3 warm-up calls, host wall time around
-block_until_ready, fresh random bf16 inputs (no zeros). Beside the whole call: the score kernels
+block_until_ready, fresh random bf16 inputs (no zeros); ``cuda_device_ms`` is the same call's GPU
+time (its kernels' durations in a profiler trace, no launch or synchronisation latency: the
+measure of CUDA-event timings) and ``cuda_pipelined_ms`` the wall time a call with --reps calls
+queued and one wait at the end. Beside the whole call: the score kernels
 alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores;
 the same two for ``qk_dtype="float8_e4m3fn"`` (the bf16 kernels on the exact fp8 values,
 quantization included), and the share of the 256 longest rows' keys that bf16 and fp8 both select.
@@ -25,14 +28,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 import jax_dsa  # noqa: E402
+from benchmarks.gpu_trace import kernel_times  # noqa: E402
 
 
 def timed(f, args, reps):
@@ -46,12 +54,25 @@ def timed(f, args, reps):
     return float(np.median(ts)) * 1e3, float(np.min(ts)) * 1e3
 
 
+def pipelined(f, args, reps):
+    """ms a call with ``reps`` calls queued back to back and one wait at the end (a training
+    step's situation: the host runs ahead of the GPU)."""
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--only", default="", help="time only the shapes whose name contains this")
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     a = ap.parse_args()
     dev = jax.devices()[0]
     print("device:", dev.device_kind, getattr(dev, "compute_capability", None), flush=True)
@@ -86,6 +107,10 @@ def main():
         row = dict(name=name, index_heads=h, head_dim=128, s_q=s_q, s_kv=s_kv, topk=topk,
                    causal_q_offset=off, visible_pairs=visible)
         row["cuda_ms"], row["cuda_min_ms"] = timed(f, args, a.reps)
+        row["cuda_pipelined_ms"] = pipelined(f, args, a.reps)
+        trace = kernel_times(f, args, a.reps, top=8)
+        row["cuda_device_ms"] = trace["busy_ms"]
+        row["cuda_device_kernels"] = trace["kernels"]
         os.environ["JAX_DSA_INDEXER_STAGES"] = "score"
         row["score_only_ms"], _ = timed(f, args, a.reps)
         del os.environ["JAX_DSA_INDEXER_STAGES"]
@@ -109,24 +134,31 @@ def main():
         print(json.dumps(row), flush=True)
         del q, kk, w, f
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() + "+uncommitted"
-    except OSError:
-        commit = "unknown"
+    commit = a.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip() + "+uncommitted"
+        except OSError:
+            commit = "unknown"
     result = dict(date=datetime.date.today().isoformat(), gpu=dev.device_kind,
                   compute_capability=str(getattr(dev, "compute_capability", None)),
                   jax=jax.__version__, commit=commit, timing="median of %d jitted calls after 3 "
-                  "warm-ups, host wall time around block_until_ready; command buffers off" % a.reps,
+                  "warm-ups, host wall time around block_until_ready; command buffers off; "
+                  "cuda_device_ms: the kernels' summed GPU time a call over as many traced calls "
+                  "(benchmarks/gpu_trace.py); cuda_pipelined_ms: as many calls queued, one "
+                  "wait" % a.reps,
                   tflops="2 * H_I * D_I * visible pairs / time", rows=rows)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(result, fh, indent=1)
     print()
-    print(f"{'shape':28s} {'cuda ms':>8s} {'scores':>8s} {'top-k':>7s} "
+    print(f"{'shape':28s} {'cuda ms':>8s} {'queued':>8s} {'device':>8s} {'scores':>8s} {'top-k':>7s} "
           f"{'TFLOP/s':>8s} {'fp8 ms':>8s} {'scores':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
     for r in rows:
-        print(f"{r['name']:28s} {r['cuda_ms']:8.2f} {r['score_only_ms']:8.2f} {r['topk_ms']:7.2f} "
+        print(f"{r['name']:28s} {r['cuda_ms']:8.2f} {r['cuda_pipelined_ms']:8.2f} "
+              f"{r['cuda_device_ms']:8.2f} "
+              f"{r['score_only_ms']:8.2f} {r['topk_ms']:7.2f} "
               f"{r['score_tflops']:8.1f} {r['fp8_ms']:8.2f} {r['fp8_score_only_ms']:8.2f} "
               f"{r.get('xla_ms', float('nan')):8.2f} {r.get('xla_over_cuda', float('nan')):8.1f}")
 

@@ -16,15 +16,11 @@ order for the platform). Meant for GPUs.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import glob
 import json
 import pathlib
 import subprocess
 import sys
-import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,38 +29,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import dsa_layer, v4_layers  # noqa: E402
+from benchmarks.gpu_trace import kernel_times  # noqa: E402
 from jax_dsa.configs import get_config  # noqa: E402
 from jax_dsa.configs.v4 import CSA, HCA  # noqa: E402
-
-
-def kernel_times(step, args, steps: int, top: int) -> dict:
-    """Per-kernel GPU time of ``step(*args)`` averaged over ``steps`` traced runs."""
-    for _ in range(2):
-        jax.block_until_ready(step(*args))
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                jax.block_until_ready(step(*args))
-        wall = (time.perf_counter() - t0) / steps
-        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
-    if not planes:
-        raise RuntimeError("no GPU plane in the trace: " + ", ".join(p.name for p in data.planes))
-    total, count = collections.Counter(), collections.Counter()
-    for line in planes[0].lines:
-        if not line.name.startswith("Stream"):  # kernels and copies; not the XLA op lines
-            continue
-        for ev in line.events:
-            total[ev.name] += ev.duration_ns
-            count[ev.name] += 1
-    busy = sum(total.values())
-    kernels = [{"name": name[:160], "ms": round(ns / steps / 1e6, 3),
-                "launches": count[name] // steps, "share": round(ns / busy, 4)}
-               for name, ns in total.most_common(top)]
-    return {"wall_ms_traced": round(1e3 * wall, 3), "busy_ms": round(busy / steps / 1e6, 3),
-            "kernels": kernels}
 
 
 def main(argv=None):
