@@ -7,9 +7,10 @@ then its speed. Run on an SM90 GPU (H100/H200) with jax_dsa's CUDA module built.
    first and a steady execution (the first includes loading the kernel modules; no JIT).
 2. Accuracy: dq, dkv, d_attn_sink of sparse_mla(..., implementation="cuda") (bfloat16) against
    the same gradients computed in float64 by the pure-JAX implementation, at GLM-5 shapes
-   (H 64, D_qk 576, K 2048, no sink; also with valid-first lists, the layers' case) and DeepSeek V4 shapes (H 64, D_qk 512, K 512 and 640, with
-   a sink), with -1 and out-of-range slots, an empty row, duplicates across queries, S_q not a
-   multiple of 64, plus a batched H 16 / K 300 case for the glue (head and slot padding).
+   (H 64, D_qk 576, K 2048, no sink; also with valid-first lists, the layers' case) and DeepSeek
+   V4 shapes (H 64, D_qk 512, K 512 and 640, with a sink), with -1 and out-of-range slots, an
+   empty row, duplicates across queries, S_q not a multiple of 64, plus a batched H 16 / K 300
+   case for the glue (head and slot padding).
    Pass: every gradient finite, relative L2 error <= 1e-2.
 3. Speed at S_q = S_kv = 16384 and 32768 (all slots valid): median over 50 runs after warm-up of
    (a) the FFI handler alone in a jitted call (host wall time around block_until_ready),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_dsa import _native, sparse_mla
+from jax_dsa.ops import registry
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 from jax_dsa.ops.sparse_mla import cpu as sparse_mla_cpu
 from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
@@ -44,9 +45,8 @@ def test_cuda_module_loads_or_reports_why():
 
 
 def _cuda_runs_here():
-    if "cuda" not in _native.available() or jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+    return ("cuda" in _native.available() and jax.default_backend() == "gpu"
+            and registry.sm90_device_error() is None)
 
 
 needs_cuda = pytest.mark.skipif("cuda" not in _native.available(),
