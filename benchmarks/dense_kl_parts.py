@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsa import dense_mla, indexer_kl_loss
-from jax_dsa.ops.indexer import kl_loss_cuda as K
+from jax_dsa.ops.indexer.kl_loss import cuda as K
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("s", type=int, nargs="?", default=16384)

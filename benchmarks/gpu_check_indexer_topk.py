@@ -39,13 +39,13 @@ import ml_dtypes
 import numpy as np
 
 import jax_dsa
-from jax_dsa.ops.indexer import topk_cuda as tc
+from jax_dsa.ops.indexer.topk import cuda as tc
 
 
 def _ensure_registered():
     """Until jax_dsa/ops/indexer/topk.py registers topk_cuda, add it here (scripts only)."""
-    from jax_dsa.ops.indexer import topk as topk_op
-    from jax_dsa.ops.indexer import topk_cuda
+    from jax_dsa.ops.indexer.topk import op as topk_op
+    from jax_dsa.ops.indexer.topk import cuda as topk_cuda
     from jax_dsa.ops.registry import Registry
 
     if "cuda" not in topk_op.REGISTRY:

@@ -37,7 +37,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from jax_dsa import sparse_mla  # noqa: E402
-from jax_dsa.ops.indexer import kl_loss, kl_loss_cuda, kl_loss_xla  # noqa: E402
+from jax_dsa.ops.indexer import kl_loss_xla  # noqa: E402
+from jax_dsa.ops.indexer.kl_loss import op as kl_loss
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
 from jax_dsa.ops.registry import Registry  # noqa: E402
 from test_indexer_kl_loss_cuda import make_inputs, numpy_oracle, rel_l2  # noqa: E402
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from jax_dsa import dense_mla, indexer_kl_loss, indexer_topk, sparse_mla
 from jax_dsa.ops.dense_mla import cuda as dense_cuda
-from jax_dsa.ops.indexer import kl_loss_cuda, v4_indexer_kl_loss
+from jax_dsa.ops.indexer import v4_indexer_kl_loss
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
 from jax_dsa.ops.sparse_mla import cuda as sparse_cuda
 
 

@@ -309,7 +309,7 @@ def set_indexer_qk_dtype(model, qk_dtype) -> int:
     returns how many. Raises ValueError for a model without one (DeepSeek V4's indexer is not
     covered)."""
     from jax_dsa.nn.indexer import Indexer
-    from jax_dsa.ops.indexer.topk import check_qk_dtype
+    from jax_dsa.ops.indexer.topk.op import check_qk_dtype
 
     count = 0
     for _, module in nnx.iter_modules(model):

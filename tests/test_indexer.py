@@ -540,7 +540,7 @@ def np_quantize_fp8(x):
 
 
 def test_quantize_fp8_follows_the_ue8m0_rule():
-    from jax_dsa.ops.indexer.common import quantize_fp8
+    from jax_dsa.ops.indexer.scores import quantize_fp8
 
     rng = np.random.default_rng()
     x = rng.standard_normal((6, 40)) * np.array([1e-7, 1e-3, 1, 448, 896, 3e4])[:, None]

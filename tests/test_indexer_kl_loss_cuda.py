@@ -20,8 +20,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.ops import registry
-from jax_dsa.ops.indexer import kl_loss, kl_loss_cuda, kl_loss_xla
-from jax_dsa.ops.indexer.config import KLCall
+from jax_dsa.ops.indexer.kl_loss import op as kl_loss
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
+from jax_dsa.ops.indexer.kl_loss import xla as kl_loss_xla
+from jax_dsa.ops.indexer.kl_loss.config import KLCall
 from jax_dsa.ops.registry import Registry, Unavailable
 
 BF16 = ml_dtypes.bfloat16

@@ -17,9 +17,9 @@ import pytest
 
 from jax_dsa.ops import registry
 from jax_dsa import _native, indexer_topk
-from jax_dsa.ops.indexer import topk as topk_module
-from jax_dsa.ops.indexer import topk_cuda as tc
-from jax_dsa.ops.indexer.config import TopkCall
+from jax_dsa.ops.indexer.topk import op as topk_module
+from jax_dsa.ops.indexer.topk import cuda as tc
+from jax_dsa.ops.indexer.topk.config import TopkCall
 from jax_dsa.ops.registry import Unavailable
 
 LOADED = tc.module_error() is None

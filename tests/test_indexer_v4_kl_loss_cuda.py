@@ -22,8 +22,11 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.ops import registry
-from jax_dsa.ops.indexer import kl_loss_cuda, v4_kl_loss, v4_kl_loss_cuda, v4_kl_loss_xla
-from jax_dsa.ops.indexer.config import KLCall
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
+from jax_dsa.ops.indexer.v4_kl_loss import op as v4_kl_loss
+from jax_dsa.ops.indexer.v4_kl_loss import cuda as v4_kl_loss_cuda
+from jax_dsa.ops.indexer.v4_kl_loss import xla as v4_kl_loss_xla
+from jax_dsa.ops.indexer.kl_loss.config import KLCall
 from jax_dsa.ops.registry import Registry, Unavailable
 from test_indexer_kl_loss_cuda import add_invalid_slots
 

@@ -320,7 +320,8 @@ def test_training_step_lowers_to_the_cuda_kernels_by_default(monkeypatch):
     import types
 
     from jax_dsa.ops import registry
-    from jax_dsa.ops.indexer import kl_loss_cuda, topk_cuda
+    from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
+    from jax_dsa.ops.indexer.topk import cuda as topk_cuda
     from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
 
     sm90 = types.SimpleNamespace(compute_capability="9.0")

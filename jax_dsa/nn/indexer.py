@@ -31,7 +31,7 @@ from jax_dsa.configs import DSAConfig
 from jax_dsa.nn.layers import LayerNorm, Linear
 from jax_dsa.nn.rope import apply_rope
 from jax_dsa.ops.indexer import TOPK_REGISTRY, indexer_topk
-from jax_dsa.ops.indexer.topk import check_qk_dtype
+from jax_dsa.ops.indexer.topk.op import check_qk_dtype
 from jax_dsa.sharding import constrain
 from jax_dsa.sharding.constraints import check_split
 

@@ -35,8 +35,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa.ops.dense_mla import cuda, sharding, xla
 from jax_dsa.ops.dense_mla.config import Call, Config
-from jax_dsa.ops.indexer.common import check_positions
-from jax_dsa.ops.mla_args import check_attention_args
+from jax_dsa.ops.checks import check_positions
+from jax_dsa.ops.checks import check_attention_args
 from jax_dsa.ops.registry import Registry
 
 REGISTRY = Registry(

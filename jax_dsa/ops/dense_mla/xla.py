@@ -20,31 +20,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_dsa.ops import blocks
+from jax_dsa.ops.blocks import acc_dtype, blocks_of, einsum, unblock
 from jax_dsa.ops.dense_mla.config import Config
-from jax_dsa.ops.indexer.common import acc_dtype, blocks_of, unblock
 from jax_dsa.ops.registry import Implementation, always
 
-# Elements of one block's [block_q, H, S_kv] float32 temporary (~64 MiB); the backward holds a
-# few of them at once.
-_BLOCK_ELEMENTS = 1 << 24
+
 _MAX_BLOCK_Q = 128
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def default_block_q(s_q: int, h: int, s_kv: int) -> int:
     """Largest power of two <= 128 with ``block_q * h * s_kv`` within the element budget, no
     larger than the smallest power of two covering ``s_q``."""
-    block = _MAX_BLOCK_Q
-    while block > 1 and block * h * max(s_kv, 1) > _BLOCK_ELEMENTS:
-        block //= 2
-    while block > 1 and block // 2 >= s_q:
-        block //= 2
-    return block
-
-
-def _einsum(spec, a, b, acc):
-    # HIGHEST: float32 inputs are not rounded to TF32 on GPUs; 16-bit products are exact.
-    return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=acc)
+    return blocks.default_block_q(s_q, h * max(s_kv, 1), _MAX_BLOCK_Q)
 
 
 def _row_blocks(block_q, q_pos, q_seg):
@@ -58,7 +46,7 @@ def _masked_logits(qb, kv, pb, sb, okb, kv_pos, kv_seg, sm_scale, acc):
     vis = (kv_pos[None, :] <= pb[:, None]) & okb[:, None]
     if sb is not None:
         vis = vis & (kv_seg[None, :] == sb[:, None])
-    s = _einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(sm_scale, acc)
+    s = einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(sm_scale, acc)
     return jnp.where(vis[:, None, :], s, -jnp.inf)
 
 
@@ -81,7 +69,7 @@ def forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_scale, d_v, bl
         m = jnp.where(has_key, mx, 0)
         e = jnp.exp(s - m[..., None])
         l = jnp.sum(e, axis=-1)
-        o = _einsum("qhs,sd->qhd", e, v.astype(acc), acc)
+        o = einsum("qhs,sd->qhd", e, v.astype(acc), acc)
         # Sink: one more term exp(sink) in the denominator, no value row.
         denom = l + jnp.exp(sink[None, :] - m)
         o = jnp.where(has_key[..., None], o / jnp.where(has_key, denom, 1)[..., None], 0)
@@ -118,11 +106,11 @@ def backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *, 
         p_sink = jnp.where(has_key, jax.nn.sigmoid(sink[None, :] - lseb), 0)
         dob = jnp.where(okb[:, None, None], dob.astype(acc), 0)
         delta = jnp.sum(dob * ob.astype(acc), axis=-1)  # rowsum(dout * out)
-        dp = _einsum("qhd,sd->qhs", dob, v, acc)
+        dp = einsum("qhd,sd->qhs", dob, v, acc)
         ds = p * (dp - delta[..., None])
-        dqb = _einsum("qhs,sd->qhd", ds, kv, acc) * scale
-        dkv = dkv + _einsum("qhs,qhd->sd", ds, qb, acc) * scale
-        dkv = dkv.at[:, :d_v].add(_einsum("qhs,qhd->sd", p, dob, acc))
+        dqb = einsum("qhs,sd->qhd", ds, kv, acc) * scale
+        dkv = dkv + einsum("qhs,qhd->sd", ds, qb, acc) * scale
+        dkv = dkv.at[:, :d_v].add(einsum("qhs,qhd->sd", p, dob, acc))
         dsink = dsink - jnp.sum(p_sink * delta, axis=0)
         return (dkv, dsink), dqb.astype(q.dtype)
 

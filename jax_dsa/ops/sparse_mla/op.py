@@ -15,7 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
-from jax_dsa.ops.mla_args import check_attention_args
+from jax_dsa.ops.checks import check_attention_args
 from jax_dsa.ops.registry import Registry
 from jax_dsa.ops.sparse_mla import cpu, cuda, sharding, xla
 from jax_dsa.ops.sparse_mla.config import Call, Config

@@ -17,41 +17,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_dsa.ops import blocks
 from jax_dsa.ops.registry import Implementation, always
 from jax_dsa.ops.sparse_mla.config import Config
 
-# Gathered-block budget, in elements: keeps one block's [block_q, K, D_qk] temporaries near 64 MiB.
-_BLOCK_ELEMENTS = 1 << 24
+# At most 64 query rows a block: one block's gathered [block_q, K, D_qk] rows are the largest
+# temporary.
 _MAX_BLOCK_Q = 64
 
 
 def default_block_q(s_q: int, topk: int, d_qk: int) -> int:
     """Largest power of two <= 64 whose gathered block stays under the element budget."""
-    block = _MAX_BLOCK_Q
-    while block > 1 and block * topk * d_qk > _BLOCK_ELEMENTS:
-        block //= 2
-    while block > 1 and block // 2 >= s_q:
-        block //= 2
-    return block
-
-
-def accumulation_dtype(dtype) -> jnp.dtype:
-    """float32 for 16-bit inputs, the input's own type when it is wider (float64 tests)."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _blocks(x, block_q):
-    """[S, ...] -> [S_pad / block_q, block_q, ...], padding with zeros (callers mask them)."""
-    s = x.shape[0]
-    n = -(-s // block_q)
-    pad = n * block_q - s
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((n, block_q) + x.shape[1:])
-
-
-def _unblock(x, s):
-    return x.reshape((-1,) + x.shape[2:])[:s]
+    return blocks.default_block_q(s_q, topk * d_qk, _MAX_BLOCK_Q)
 
 
 def _valid_and_safe(idx, length, s_kv):
@@ -76,7 +53,7 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
     if s_kv == 0:  # every slot is invalid
         return (jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32),
                 jnp.full((s_q, h), -jnp.inf, jnp.float32))
-    acc = accumulation_dtype(q.dtype)
+    acc = blocks.acc_dtype(q)
     sink = attn_sink.astype(acc)
 
     def block(args):
@@ -96,10 +73,9 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
         lse = jnp.where(has_slot, m + jnp.log(jnp.where(has_slot, l, 1)), jnp.inf)
         return o.astype(q.dtype), lse.astype(jnp.float32), max_logits.astype(jnp.float32)
 
-    out, lse, max_logits = jax.lax.map(
-        block, (_blocks(q, block_q), _blocks(indices, block_q), _blocks(topk_length, block_q))
-    )
-    return _unblock(out, s_q), _unblock(lse, s_q), _unblock(max_logits, s_q)
+    out, lse, max_logits = jax.lax.map(block, blocks.blocks_of(block_q, q, indices, topk_length))
+    return (blocks.unblock(out, s_q), blocks.unblock(lse, s_q),
+            blocks.unblock(max_logits, s_q))
 
 
 def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v, block_q):
@@ -112,7 +88,7 @@ def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale
     s_kv = kv.shape[0]
     if s_kv == 0:  # every slot is invalid: no gradient
         return jnp.zeros_like(q), jnp.zeros_like(kv), jnp.zeros_like(attn_sink)
-    acc = accumulation_dtype(q.dtype)
+    acc = blocks.acc_dtype(q)
     sink = attn_sink.astype(acc)
     scale = jnp.asarray(sm_scale, acc)
 
@@ -139,11 +115,9 @@ def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale
         return (dkv, dsink), dqb.astype(q.dtype)
 
     init = (jnp.zeros((s_kv, d_qk), acc), jnp.zeros((h,), acc))
-    xs = tuple(
-        _blocks(x, block_q) for x in (q, indices, topk_length, out, dout, lse)
-    )
+    xs = blocks.blocks_of(block_q, q, indices, topk_length, out, dout, lse)
     (dkv, dsink), dq = jax.lax.scan(block, init, xs)
-    return _unblock(dq, s_q), dkv.astype(kv.dtype), dsink.astype(attn_sink.dtype)
+    return blocks.unblock(dq, s_q), dkv.astype(kv.dtype), dsink.astype(attn_sink.dtype)
 
 
 def _forward(q, kv, indices, sink, lengths, config: Config):

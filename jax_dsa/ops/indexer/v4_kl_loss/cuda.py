@@ -16,12 +16,12 @@ and slot it writes
 XLA log-sum-exps the groups and, under tensor parallelism (``layout.heads``), the head shards
 (``pmax`` then ``psum``, :func:`~jax_dsa.sharding.partition.head_logsumexp`), normalises per row
 in log space (the row's total mass; the ``1/H`` of the head mean cancels) and forms the KL; the
-backward is :mod:`~jax_dsa.ops.indexer.kl_loss_cuda`'s: ``dI = g * (softmax(I) * sum(p) - p)``
+backward is :mod:`~jax_dsa.ops.indexer.kl_loss.cuda`'s: ``dI = g * (softmax(I) * sum(p) - p)``
 into the same backward kernel (``jax_dsa_indexer_kl_bwd_cuda``). No ``[S_q, K, D]`` array is
 formed in XLA.
 
 The dense form (``indices=None``: every visible compressed entry, the warm-up stage) runs the same
-two kernels over :func:`jax_dsa.ops.indexer.kl_loss_cuda.scan_dense_chunks`' chunks of 2048
+two kernels over :func:`jax_dsa.ops.indexer.kl_loss.cuda.scan_dense_chunks`' chunks of 2048
 entries. The forward keeps flash-style row statistics in log space across the chunks: the
 target's running max and sum of ``exp(log_t)``, ``sum exp(log_t) (log_t - I)`` rescaled with
 them, and the index score's running log-sum-exp; ``KL = cross / Z - log Z + lse_I``. It saves
@@ -29,7 +29,7 @@ them, and the index score's running log-sum-exp; ``KL = cross / Z - log Z + lse_
 backward kernel per chunk with ``dI = g * (exp(I - lse_I) - exp(log_t - log Z))``). No buffer is
 larger than ``[S_q, 2048]``.
 
-Precision and limits: as :mod:`~jax_dsa.ops.indexer.kl_loss_cuda` (``q``, ``kv``, ``index_q``,
+Precision and limits: as :mod:`~jax_dsa.ops.indexer.kl_loss.cuda` (``q``, ``kv``, ``index_q``,
 ``index_k`` rounded to bfloat16, ``index_weights`` and ``attention_lse`` float32, float32
 accumulation; ``D_qk`` 512 or 576, ``index_head_dim`` 128, ``H <= 128`` local heads,
 ``index_n_heads <= 64``, ``K <= 2048`` in the sparse form, an SM90 GPU).
@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa.ops.indexer import kl_loss_cuda
-from jax_dsa.ops.indexer.common import masked_log_softmax
-from jax_dsa.ops.indexer.config import KLCall, KLConfig
-from jax_dsa.ops.indexer.kl_loss_cuda import (
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
+from jax_dsa.ops.visibility import masked_log_softmax
+from jax_dsa.ops.indexer.kl_loss.config import KLCall, KLConfig
+from jax_dsa.ops.indexer.kl_loss.cuda import (
     HEAD_GROUP,
     MAX_HEADS,
     MODULE,

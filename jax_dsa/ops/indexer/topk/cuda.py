@@ -1,7 +1,7 @@
 """The ``"cuda"`` implementation of ``indexer_topk``: jax_dsa's own SM90 kernels (plain CUDA C++,
 ``ffi/cuda/indexer``) in the ``_cuda_indexer`` FFI module.
 
-The contract is the ``"xla"`` implementation's (:mod:`jax_dsa.ops.indexer.topk_xla`): descending
+The contract is the ``"xla"`` implementation's (:mod:`jax_dsa.ops.indexer.topk.xla`): descending
 score, exact ties to the lower key index, ``-0.0 == +0.0``, visible scores never below the
 lowest finite float, ``-1`` past the visible keys, bitwise deterministic. What differs is the
 arithmetic of the scores: ``q`` and ``k`` are rounded to bfloat16 for the tensor cores (exact
@@ -12,7 +12,7 @@ So for bfloat16 ``q``/``k`` the scores equal the ``"xla"`` ones up to float32 su
 (relative ~1e-6), and the selections agree except between keys whose scores are that close;
 float32 ``q``/``k`` are rounded to bfloat16 first (a larger difference, see the tests).
 
-Shapes (flattened batches, as :func:`jax_dsa.ops.indexer.topk_xla.forward`): ``q [NB, S_q, H_I,
+Shapes (flattened batches, as :func:`jax_dsa.ops.indexer.topk.xla.forward`): ``q [NB, S_q, H_I,
 128]``, ``k [NB, S_kv, 128]``, ``weights [NB, S_q, H_I]``, positions and segment ids
 ``[NB, S_q]`` / ``[NB, S_kv]`` (segment ids may be ``None``). Index heads are padded to 32 or 64
 with zero q and zero weight (a contribution of exactly 0). The scores of a chunk of query rows
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
+from jax_dsa.ops.indexer.topk.config import TopkCall, TopkConfig
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 
 MODULE = "_cuda_indexer"

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_dsa.ops.blocks import acc_dtype
 from jax_dsa.ops.dense_mla import op as dense_op
 from jax_dsa.ops.dense_mla import sharding as dense_sharding
 from jax_dsa.ops.sparse_mla import op as sparse_op
@@ -81,13 +82,9 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
     q3, kv3, idx, sink, lengths = sp
     _, kvd, q_pos, kv_pos, q_seg, kv_seg, _ = de
     out, lse = _merged(q3, kv3, idx, lengths, kvd, q_pos, kv_pos, q_seg, kv_seg,
-                       sink.astype(_acc(q3)), sp_config, de_config)
+                       sink.astype(acc_dtype(q3)), sp_config, de_config)
     s_q, h = q3.shape[1:3]
     return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
-
-
-def _acc(q):
-    return jnp.promote_types(q.dtype, jnp.float32)
 
 
 def _has(lse):
@@ -106,7 +103,7 @@ def _forward(q, kv, idx, lengths, kvd, q_pos, kv_pos, q_seg, kv_seg, sink, sp_co
     full = jnp.where(has, jnp.logaddexp(lse, sink), 0)
     w1 = jnp.where(has, jnp.exp(a1 - full), 0)[..., None]
     w2 = jnp.where(has, jnp.exp(a2 - full), 0)[..., None]
-    acc = _acc(q)
+    acc = acc_dtype(q)
     out = (w1 * o1.astype(acc) + w2 * o2.astype(acc)).astype(q.dtype)
     return out, jnp.where(has, lse, jnp.inf)
 
@@ -135,7 +132,7 @@ def _bwd_rule(sp_config, de_config, residuals, cotangents):
                                            sp_config)
     dq2, dkvd, _ = dense_sharding.backward(q, kvd, q_pos, kv_pos, q_seg, kv_seg, no_sink, out,
                                            folded, dout, de_config)
-    acc = _acc(q)
+    acc = acc_dtype(q)
     delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # rowsum(dout * out)
     # exp(sink - L) as a sigmoid: finite (1) for a sink of +inf.
     d_sink = -jnp.sum(jnp.where(has, jax.nn.sigmoid(sink - lse), 0) * delta, axis=(0, 1))

@@ -1,6 +1,6 @@
 """The ``"xla"`` implementation of DeepSeek V4's indexer KL loss: pure JAX, any platform.
 
-Query blocks with a rematerialised body, as :mod:`jax_dsa.ops.indexer.kl_loss_xla`; the
+Query blocks with a rematerialised body, as :mod:`jax_dsa.ops.indexer.kl_loss.xla`; the
 backward is the VJP of the forward.
 """
 
@@ -9,14 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer.common import (
-    acc_dtype,
-    block_support_and_logits,
-    blocks_of,
-    masked_log_softmax,
-)
-from jax_dsa.ops.indexer.config import KLConfig
-from jax_dsa.ops.indexer.kl_vjp import autodiff_backward
+from jax_dsa.ops.blocks import acc_dtype, blocks_of
+from jax_dsa.ops.indexer.kl_loss.common import block_support_and_logits
+from jax_dsa.ops.visibility import masked_log_softmax
+from jax_dsa.ops.indexer.kl_loss.config import KLConfig
+from jax_dsa.ops.indexer.kl_loss.vjp import autodiff_backward
 from jax_dsa.ops.registry import Implementation, always
 from jax_dsa.sharding.partition import head_logsumexp
 

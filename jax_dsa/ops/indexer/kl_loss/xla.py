@@ -3,7 +3,7 @@
 Queries are processed in blocks (``lax.map``) whose body is rematerialised (``jax.checkpoint``),
 so neither pass holds more than one block's ``[block_q, H, S_kv]`` (dense) or ``[block_q, H, K]``
 (sparse) temporaries. The backward is the VJP of the forward
-(:func:`jax_dsa.ops.indexer.kl_vjp.autodiff_backward`).
+(:func:`jax_dsa.ops.indexer.kl_loss.vjp.autodiff_backward`).
 """
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer.common import (
-    acc_dtype,
-    block_support_and_logits,
-    blocks_of,
-    masked_log_softmax,
-)
-from jax_dsa.ops.indexer.config import KLConfig
-from jax_dsa.ops.indexer.kl_vjp import autodiff_backward
+from jax_dsa.ops.blocks import acc_dtype, blocks_of
+from jax_dsa.ops.indexer.kl_loss.common import block_support_and_logits
+from jax_dsa.ops.visibility import masked_log_softmax
+from jax_dsa.ops.indexer.kl_loss.config import KLConfig
+from jax_dsa.ops.indexer.kl_loss.vjp import autodiff_backward
 from jax_dsa.ops.registry import Implementation, always
 from jax_dsa.sharding.partition import head_logsumexp
 

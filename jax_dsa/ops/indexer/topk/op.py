@@ -17,17 +17,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer import topk_cuda, topk_xla
-from jax_dsa.ops.indexer.common import (
-    acc_dtype,
-    check_indexer,
-    check_int,
-    check_positions,
-    default_block_q,
-    flatten_batch,
-    quantize_fp8,
-)
-from jax_dsa.ops.indexer.config import TopkCall, TopkConfig
+from jax_dsa.ops.indexer.topk import cuda as topk_cuda
+from jax_dsa.ops.indexer.topk import xla as topk_xla
+from jax_dsa.ops.blocks import acc_dtype, default_block_q, flatten_batch
+from jax_dsa.ops.checks import check_int, check_positions
+from jax_dsa.ops.indexer.scores import check_indexer, quantize_fp8
+from jax_dsa.ops.indexer.topk.config import TopkCall, TopkConfig
 from jax_dsa.ops.registry import Registry
 from jax_dsa.sharding.partition import Result, partitioned_call
 
@@ -56,7 +51,7 @@ def indexer_topk(
     """The ``topk`` visible keys of each query by lightning-indexer score.
 
     ``I[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` in float32 (float64 for float64
-    inputs), over the keys visible to ``t`` (see :func:`~jax_dsa.ops.indexer.common.visible_mask`). Keys come out by
+    inputs), over the keys visible to ``t`` (see :func:`~jax_dsa.ops.visibility.visible_mask`). Keys come out by
     descending score; equal scores (common: ReLU makes plateaus of exact zeros) are ordered by
     ascending key index, so the result is deterministic. A row with fewer than ``topk`` visible
     keys is padded with ``-1`` at the end; invisible keys are never chosen, whatever the scores.
@@ -76,10 +71,10 @@ def indexer_topk(
         ids (both or neither).
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks the largest power of two <= 128 whose ``[block_q, index_n_heads, S_kv]`` scores
-        fit :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
+        fit :data:`~jax_dsa.ops.blocks.BLOCK_ELEMENTS`.
       qk_dtype: ``None`` (scores from ``q`` and ``k`` as given) or ``"float8_e4m3fn"`` (also
         ``jnp.float8_e4m3fn``): DeepSeek-V3.2's FP8 indexer. ``q`` is quantized per (token,
-        head) and ``k`` per token by :func:`~jax_dsa.ops.indexer.common.quantize_fp8`
+        head) and ``k`` per token by :func:`~jax_dsa.ops.indexer.scores.quantize_fp8`
         (power-of-two scales); ``q``'s scales are folded into ``weights`` and each key's
         score is multiplied by its scale, so ``I[t, s] = k_scale[s] * sum_h (weights[t, h] *
         q_scale[t, h]) * relu(q_fp8[t, h] . k_fp8[s])``. Both implementations form the fp8
@@ -90,7 +85,7 @@ def indexer_topk(
         e.g. for :func:`~jax_dsa.ops.indexer.kl_loss.indexer_kl_loss`'s ``index_scores``.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
-        pure JAX, any platform. ``"cuda"``: SM90 kernels (:mod:`~jax_dsa.ops.indexer.topk_cuda`;
+        pure JAX, any platform. ``"cuda"``: SM90 kernels (:mod:`~jax_dsa.ops.indexer.topk.cuda`;
         q and k rounded to bfloat16 unless ``qk_dtype`` is fp8, index_head_dim 128,
         index_n_heads <= 64, topk <= 2048).
 

@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa.ops.dense_mla.cuda import cuda_dense_forward, dense_runs
-from jax_dsa.ops.indexer.common import masked_log_softmax, visible_mask
-from jax_dsa.ops.indexer.config import KLCall
-from jax_dsa.ops.indexer.topk_cuda import index_lse_call
+from jax_dsa.ops.visibility import masked_log_softmax, visible_mask
+from jax_dsa.ops.indexer.kl_loss.config import KLCall
+from jax_dsa.ops.indexer.topk.cuda import index_lse_call
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
 from jax_dsa.ops.sparse_mla.cuda import cuda_target
 
@@ -209,7 +209,7 @@ def backward_kernel(iq, ik, iw, idx, dscore):
 def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
     """``log sum exp`` of the index scores over each query's visible keys ``[NB, S_q]`` float32
     (``-inf`` for none): the top-k's score kernel with no scores stored
-    (:func:`jax_dsa.ops.indexer.topk_cuda.index_lse_call`)."""
+    (:func:`jax_dsa.ops.indexer.topk.cuda.index_lse_call`)."""
     return index_lse_call(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer.common import acc_dtype, blocks_of, dense_scores, unblock, visibility
-from jax_dsa.ops.indexer.config import TopkConfig
+from jax_dsa.ops.blocks import acc_dtype, blocks_of, unblock
+from jax_dsa.ops.indexer.scores import dense_scores
+from jax_dsa.ops.visibility import visibility
+from jax_dsa.ops.indexer.topk.config import TopkConfig
 from jax_dsa.ops.registry import Implementation, always
 
 

@@ -27,9 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer.common import acc_dtype, flatten_batch
-from jax_dsa.ops.indexer.config import KLCall
-from jax_dsa.ops.indexer.topk import ROLES as TOPK_ROLES
+from jax_dsa.ops.blocks import acc_dtype, flatten_batch
+from jax_dsa.ops.indexer.kl_loss.config import KLCall
+from jax_dsa.ops.indexer.topk.op import ROLES as TOPK_ROLES
 from jax_dsa.sharding.partition import Result, partitioned_call, typed_like
 
 ROLES = TOPK_ROLES + ("bsh.", "bt.", "bs.")

@@ -1,5 +1,5 @@
-"""The argument checks that the attention ops (``sparse_mla``, ``dense_mla``) share; the
-``sm_scale`` rule also serves the indexer KL losses."""
+"""Argument checks shared by the ops: ``sm_scale``, the attention operands (``sparse_mla``,
+``dense_mla``), positions and segment ids, static integer arguments."""
 
 from __future__ import annotations
 
@@ -57,3 +57,44 @@ def check_attention_args(name, q, kv, sm_scale, d_v, attn_sink):
         if not jnp.issubdtype(attn_sink.dtype, jnp.floating):
             raise TypeError(f"{name}: attn_sink must be a float array, got {attn_sink.dtype}")
     return batch
+
+
+def check_int(name, arg, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: {arg} must be a Python int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: {arg} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_positions(name, q_pos, kv_pos, q_seg, kv_seg, q_shape, kv_shape):
+    """Validates positions and segment ids; ``q_shape``/``kv_shape`` None = only consistent."""
+    if q_pos is None or kv_pos is None:
+        raise TypeError(f"{name}: q_positions and kv_positions are required")
+    q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError(f"{name}: give both q_segment_ids and kv_segment_ids, or neither")
+    if q_seg is not None:
+        q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
+    if q_shape is None:
+        if q_pos.ndim < 1:
+            raise ValueError(f"{name}: q_positions must be [..., S_q], got shape {q_pos.shape}")
+        if kv_pos.ndim != q_pos.ndim or kv_pos.shape[:-1] != q_pos.shape[:-1]:
+            raise ValueError(
+                f"{name}: kv_positions must be [..., S_kv] with q_positions' batch dims "
+                f"{q_pos.shape[:-1]}, got shape {kv_pos.shape}"
+            )
+        q_shape, kv_shape = q_pos.shape, kv_pos.shape
+    for arg, x, shape in (
+        ("q_positions", q_pos, q_shape),
+        ("kv_positions", kv_pos, kv_shape),
+        ("q_segment_ids", q_seg, q_shape),
+        ("kv_segment_ids", kv_seg, kv_shape),
+    ):
+        if x is None:
+            continue
+        if x.shape != shape:
+            raise ValueError(f"{name}: {arg} must have shape {shape}, got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
+    return q_pos, kv_pos, q_seg, kv_seg

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer import v4_kl_loss_cuda, v4_kl_loss_xla
-from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args
-from jax_dsa.ops.indexer.config import KLConfig
-from jax_dsa.ops.indexer.kl_vjp import V4_ROLES, describe, flat_operands, kl_call, mean_of_rows
+from jax_dsa.ops.indexer.v4_kl_loss import cuda as v4_kl_loss_cuda
+from jax_dsa.ops.indexer.v4_kl_loss import xla as v4_kl_loss_xla
+from jax_dsa.ops.blocks import acc_dtype
+from jax_dsa.ops.indexer.kl_loss.common import check_kl_args
+from jax_dsa.ops.indexer.kl_loss.config import KLConfig
+from jax_dsa.ops.indexer.kl_loss.vjp import V4_ROLES, describe, flat_operands, kl_call, mean_of_rows
 from jax_dsa.ops.registry import Registry
 
 # On a GPU both forms run on "cuda" where its limits allow, else on "xla".
@@ -87,7 +89,7 @@ def v4_indexer_kl_loss(
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
         pure JAX, any platform. ``"cuda"``: SM90 kernels
-        (:mod:`~jax_dsa.ops.indexer.v4_kl_loss_cuda`; ``q``, ``kv`` and the index tensors
+        (:mod:`~jax_dsa.ops.indexer.v4_kl_loss.cuda`; ``q``, ``kv`` and the index tensors
         rounded to bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128 local heads,
         index_n_heads <= 64, K <= 2048; the dense form in chunks of 2048 entries).
 

@@ -2,17 +2,19 @@
 
 DeepSeek-V3.2 paper (arXiv:2512.02556) §2.1: the KL divergence from the main attention's
 head-mean distribution to the indexer's softmax, dense (warm-up) or over the selected slots.
-Its custom VJP and sharding contract: :mod:`jax_dsa.ops.indexer.kl_vjp`.
+Its custom VJP and sharding contract: :mod:`jax_dsa.ops.indexer.kl_loss.vjp`.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_dsa.ops.indexer import kl_loss_cuda, kl_loss_xla
-from jax_dsa.ops.indexer.common import acc_dtype, check_kl_args
-from jax_dsa.ops.indexer.config import KLConfig
-from jax_dsa.ops.indexer.kl_vjp import (
+from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
+from jax_dsa.ops.indexer.kl_loss import xla as kl_loss_xla
+from jax_dsa.ops.blocks import acc_dtype
+from jax_dsa.ops.indexer.kl_loss.common import check_kl_args
+from jax_dsa.ops.indexer.kl_loss.config import KLConfig
+from jax_dsa.ops.indexer.kl_loss.vjp import (
     ROLES,
     V4_ROLES,
     describe,
@@ -58,7 +60,7 @@ def indexer_kl_loss(
     Terms with ``p = 0`` count as 0.
 
     * Dense form (``indices=None``, the warm-up stage): ``S_t`` = every key visible to ``t``
-      (see :func:`~jax_dsa.ops.indexer.common.visible_mask`).
+      (see :func:`~jax_dsa.ops.visibility.visible_mask`).
     * Sparse form (``indices [..., S_q, K]``): ``S_t`` = the row's slots ``j`` with
       ``0 <= indices[t, j] < S_kv`` (``-1`` and out-of-range mark an invalid slot, as in
       :func:`jax_dsa.sparse_mla`) whose key is visible to ``t``; duplicate indices count as
@@ -102,11 +104,11 @@ def indexer_kl_loss(
         that do not match the inputs give a wrong loss where they are used.
       block_q: query rows per block of the ``"xla"`` implementation (Python int >= 1); ``None``
         picks one from ``S_kv`` (dense) or ``K`` (sparse) so that a block's temporaries fit
-        :data:`~jax_dsa.ops.indexer.common.BLOCK_ELEMENTS`.
+        :data:`~jax_dsa.ops.blocks.BLOCK_ELEMENTS`.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
         pure JAX, any platform. ``"cuda"``: SM90 kernels
-        (:mod:`~jax_dsa.ops.indexer.kl_loss_cuda`; the main and index tensors rounded to
+        (:mod:`~jax_dsa.ops.indexer.kl_loss.cuda`; the main and index tensors rounded to
         bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128, K <= 2048; the dense form in
         chunks of 2048 keys, never an ``[S_q, S_kv]`` buffer, fastest with ``attention_lse``).
 
