@@ -6,19 +6,29 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Past this, float32 logits overflow for |q . k| of a few thousand; real models use <= 1.
+MAX_SM_SCALE = 1e4
+_I32 = np.iinfo(np.int32)
 
 
 def check_sm_scale(name, sm_scale, what="the model's softmax scale, e.g. 1/16 for GLM-5"):
     """``sm_scale`` must be a finite Python number > 0 (``what`` says whose scale it is).
 
     Raises:
-      TypeError: not a number (or a bool). ValueError: not finite, or <= 0.
+      TypeError: not a number (or a bool). ValueError: not finite, <= 0, or > MAX_SM_SCALE.
     """
     if sm_scale is None or not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
         raise TypeError(f"{name}: sm_scale must be a Python number ({what}); got {sm_scale!r}")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"{name}: sm_scale must be finite and > 0, got {sm_scale!r}")
+    if sm_scale > MAX_SM_SCALE:
+        raise ValueError(
+            f"{name}: sm_scale must be <= {MAX_SM_SCALE:g} (larger scales overflow the float32 "
+            f"logits; real models use <= 1), got {sm_scale!r}")
 
 
 def check_attention_args(name, q, kv, sm_scale, d_v, attn_sink):
@@ -71,11 +81,13 @@ def check_positions(name, q_pos, kv_pos, q_seg, kv_seg, q_shape, kv_shape):
     """Validates positions and segment ids; ``q_shape``/``kv_shape`` None = only consistent."""
     if q_pos is None or kv_pos is None:
         raise TypeError(f"{name}: q_positions and kv_positions are required")
-    q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+    q_pos = int32_positions(name, "q_positions", q_pos)
+    kv_pos = int32_positions(name, "kv_positions", kv_pos)
     if (q_seg is None) != (kv_seg is None):
         raise ValueError(f"{name}: give both q_segment_ids and kv_segment_ids, or neither")
     if q_seg is not None:
-        q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
+        q_seg = int32_positions(name, "q_segment_ids", q_seg)
+        kv_seg = int32_positions(name, "kv_segment_ids", kv_seg)
     if q_shape is None:
         if q_pos.ndim < 1:
             raise ValueError(f"{name}: q_positions must be [..., S_q], got shape {q_pos.shape}")
@@ -98,3 +110,45 @@ def check_positions(name, q_pos, kv_pos, q_seg, kv_seg, q_shape, kv_shape):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name}: {arg} must be an integer array, got {x.dtype}")
     return q_pos, kv_pos, q_seg, kv_seg
+
+
+def _is_wide(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind in "iu" and (dtype.itemsize > 4 or dtype == np.uint32)
+
+
+def int32_slots(x):
+    """Slot indices or ``topk_length`` as an int32 array with their meaning kept.
+
+    Values past int32's range are clamped to its ends, so an out-of-range index stays invalid
+    (``< 0`` or ``>= S_kv``) and a length past ``K`` still means every slot; ``jnp.asarray`` of a
+    NumPy int64 array would wrap them into range instead (with x64 off). Other dtypes pass
+    unchanged, for the callers' type checks.
+    """
+    if isinstance(x, jax.Array):
+        if not _is_wide(x.dtype):
+            return x
+        hi = jnp.asarray(_I32.max, x.dtype)
+        y = jnp.minimum(x, hi) if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else jnp.clip(
+            x, jnp.asarray(_I32.min, x.dtype), hi)
+        return y.astype(jnp.int32)
+    a = np.asarray(x)
+    if not _is_wide(a.dtype):
+        return jnp.asarray(a)
+    a = np.minimum(a, _I32.max) if a.dtype.kind == "u" else np.clip(a, _I32.min, _I32.max)
+    return jnp.asarray(a.astype(np.int32))
+
+
+def int32_positions(name, arg, x):
+    """Positions or segment ids as an array, refusing host values outside int32 (clamping
+    would change which keys a query sees).
+
+    Raises:
+      ValueError: a NumPy or Python integer value outside [-2**31, 2**31).
+    """
+    if x is None or isinstance(x, jax.Array):
+        return x
+    a = np.asarray(x)
+    if _is_wide(a.dtype) and a.size and (a.max() > _I32.max or a.min() < _I32.min):
+        raise ValueError(f"{name}: {arg} must fit int32, got values in [{a.min()}, {a.max()}]")
+    return jnp.asarray(a)

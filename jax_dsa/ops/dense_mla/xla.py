@@ -41,31 +41,51 @@ def _row_blocks(block_q, q_pos, q_seg):
     return blocks_of(block_q, q_pos, q_seg, ok)
 
 
-def _masked_logits(qb, kv, pb, sb, okb, kv_pos, kv_seg, sm_scale, acc):
-    """One block's ``[block_q, H, S_kv]`` scaled logits, ``-inf`` where a key is not visible."""
+def _finite_rows(x):
+    """``x`` with its non-finite rows (last axis) zeroed, and which rows were finite.
+
+    The contractions over keys (``p @ v``, ``ds @ kv``) and over queries (``dsᵀ q``, ``pᵀ dout``)
+    multiply masked zeros by every row, and ``0 * NaN`` is NaN: they run on the zeroed rows, and
+    a non-finite row reaches only the entries that read it through :func:`_masked_logits`."""
+    ok = jnp.all(jnp.isfinite(x), axis=-1)
+    return jnp.where(ok[..., None], x, 0), ok
+
+
+def _masked_logits(qb, q_ok, kv, kv_ok, vis, sm_scale, acc):
+    """One block's ``[block_q, H, S_kv]`` scaled logits: ``-inf`` where a key is not visible,
+    NaN where a visible key or the query holds a NaN or inf (it reaches out and lse)."""
+    s = einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(sm_scale, acc)
+    s = jnp.where(q_ok[:, :, None] & kv_ok[None, None, :], s, jnp.nan)
+    return jnp.where(vis[:, None, :], s, -jnp.inf)
+
+
+def _visible(pb, sb, okb, kv_pos, kv_seg):
     vis = (kv_pos[None, :] <= pb[:, None]) & okb[:, None]
     if sb is not None:
         vis = vis & (kv_seg[None, :] == sb[:, None])
-    s = einsum("qhd,sd->qhs", qb, kv, acc) * jnp.asarray(sm_scale, acc)
-    return jnp.where(vis[:, None, :], s, -jnp.inf)
+    return vis
 
 
 def forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_scale, d_v, block_q):
     """One batch element: ``out [S_q, H, d_v]`` (q's dtype) and ``lse [S_q, H]`` (float32,
-    sink-free, ``+inf`` for a row without a visible key, whose ``out`` is 0)."""
+    sink-free, ``+inf`` for a row without a visible key, whose ``out`` is 0; NaN for a row that
+    reads a NaN or inf)."""
     s_q, h, _ = q.shape
     s_kv = kv.shape[0]
     if s_kv == 0:  # no key is visible
         return jnp.zeros((s_q, h, d_v), q.dtype), jnp.full((s_q, h), jnp.inf, jnp.float32)
     acc = acc_dtype(q)
     sink = attn_sink.astype(acc)
+    kv, kv_ok = _finite_rows(kv)
     v = kv[:, :d_v]
 
     def block(args):
         qb, pb, sb, okb = args
-        s = _masked_logits(qb, kv, pb, sb, okb, kv_pos, kv_seg, sm_scale, acc)
-        mx = jnp.max(s, axis=-1)  # -inf for a row without a visible key
-        has_key = jnp.isfinite(mx)
+        qb, q_ok = _finite_rows(qb)
+        vis = _visible(pb, sb, okb, kv_pos, kv_seg)
+        s = _masked_logits(qb, q_ok, kv, kv_ok, vis, sm_scale, acc)
+        mx = jnp.max(s, axis=-1)  # -inf for a row without a visible key, NaN if poisoned
+        has_key = jnp.broadcast_to(jnp.any(vis, axis=-1)[:, None], mx.shape)
         m = jnp.where(has_key, mx, 0)
         e = jnp.exp(s - m[..., None])
         l = jnp.sum(e, axis=-1)
@@ -92,22 +112,27 @@ def backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *, 
         return jnp.zeros_like(q), jnp.zeros_like(kv), jnp.zeros((h,), acc)
     sink = attn_sink.astype(acc)
     scale = jnp.asarray(sm_scale, acc)
+    kv, kv_ok = _finite_rows(kv)
     v = kv[:, :d_v]
 
     def block(carry, args):
         dkv, dsink = carry
         qb, pb, sb, okb, ob, dob, lseb = args
-        s = _masked_logits(qb, kv, pb, sb, okb, kv_pos, kv_seg, sm_scale, acc)
+        qb, q_ok = _finite_rows(qb)
+        vis = _visible(pb, sb, okb, kv_pos, kv_seg)
+        s = _masked_logits(qb, q_ok, kv, kv_ok, vis, sm_scale, acc)
         lseb = lseb.astype(acc)
-        has_key = jnp.isfinite(lseb) & okb[:, None]
+        has_key = (lseb != jnp.inf) & okb[:, None]  # NaN (poisoned) is not empty
         lse_full = jnp.where(has_key, jnp.logaddexp(lseb, sink[None, :]), jnp.inf)
-        p = jnp.exp(s - lse_full[..., None])  # 0 on invisible keys and empty rows
+        vis3 = vis[:, None, :]
+        p = jnp.where(vis3, jnp.exp(s - lse_full[..., None]), 0)  # 0 on invisible keys
         # exp(sink - lse_full) as a sigmoid: finite (1) for a sink of +inf, where it is inf - inf.
         p_sink = jnp.where(has_key, jax.nn.sigmoid(sink[None, :] - lseb), 0)
         dob = jnp.where(okb[:, None, None], dob.astype(acc), 0)
         delta = jnp.sum(dob * ob.astype(acc), axis=-1)  # rowsum(dout * out)
-        dp = einsum("qhd,sd->qhs", dob, v, acc)
-        ds = p * (dp - delta[..., None])
+        dob, do_ok = _finite_rows(dob)
+        dp = jnp.where(do_ok[..., None], einsum("qhd,sd->qhs", dob, v, acc), jnp.nan)
+        ds = jnp.where(vis3, p * (dp - delta[..., None]), 0)
         dqb = einsum("qhs,sd->qhd", ds, kv, acc) * scale
         dkv = dkv + einsum("qhs,qhd->sd", ds, qb, acc) * scale
         dkv = dkv.at[:, :d_v].add(einsum("qhs,qhd->sd", p, dob, acc))

@@ -16,10 +16,25 @@ import jax.numpy as jnp
 from jax_dsa.ops.blocks import einsum
 
 
+def _finite_rows(x):
+    ok = jnp.all(jnp.isfinite(x), axis=-1)
+    return jnp.where(ok[..., None], x, 0), ok
+
+
 def dense_scores(qb, k, wb, acc):
-    """``[B, H_I, D]``, ``[S_kv, D]``, ``[B, H_I]`` -> ``[B, S_kv]`` index scores."""
+    """``[B, H_I, D]``, ``[S_kv, D]``, ``[B, H_I]`` -> ``[B, S_kv]`` index scores; NaN where the
+    query (its ``q`` or ``weights``) or the key holds a NaN or inf.
+
+    The contractions run on finite operands (a non-finite row zeroed) and the NaN is put back
+    per score: a masked score's zero gradient times a NaN key would otherwise reach every
+    query's gradient, including queries that cannot see that key."""
+    qb, q_ok = _finite_rows(qb)
+    k, k_ok = _finite_rows(k)
+    w_ok = jnp.isfinite(wb)
     dots = einsum("qhd,sd->qhs", qb, k, acc)
-    return jnp.sum(jax.nn.relu(dots) * wb.astype(acc)[:, :, None], axis=1)
+    score = jnp.sum(jax.nn.relu(dots) * jnp.where(w_ok, wb, 0).astype(acc)[:, :, None], axis=1)
+    ok = jnp.all(q_ok & w_ok, axis=-1)[:, None] & k_ok[None, :]
+    return jnp.where(ok, score, jnp.nan)
 
 
 def sparse_scores(qb, rows, wb, acc):

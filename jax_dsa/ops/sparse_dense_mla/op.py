@@ -88,7 +88,7 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
 
 
 def _has(lse):
-    return jnp.isfinite(lse)  # +inf: no key in that part
+    return lse != jnp.inf  # +inf: no key in that part; NaN (a poisoned row) is not empty
 
 
 def _forward(q, kv, idx, lengths, kvd, q_pos, kv_pos, q_seg, kv_seg, sink, sp_config,
@@ -99,7 +99,7 @@ def _forward(q, kv, idx, lengths, kvd, q_pos, kv_pos, q_seg, kv_seg, sink, sp_co
     a1 = jnp.where(_has(l1), l1, -jnp.inf)
     a2 = jnp.where(_has(l2), l2, -jnp.inf)
     lse = jnp.logaddexp(a1, a2)  # sink-free; -inf: no key at all
-    has = lse > -jnp.inf
+    has = lse != -jnp.inf  # NaN (poisoned) reaches out and lse
     full = jnp.where(has, jnp.logaddexp(lse, sink), 0)
     w1 = jnp.where(has, jnp.exp(a1 - full), 0)[..., None]
     w2 = jnp.where(has, jnp.exp(a2 - full), 0)[..., None]

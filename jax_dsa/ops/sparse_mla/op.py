@@ -15,7 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
-from jax_dsa.ops.checks import check_attention_args
+from jax_dsa.ops.checks import check_attention_args, int32_slots
 from jax_dsa.ops.registry import Registry
 from jax_dsa.ops.sparse_mla import cpu, cuda, sharding, xla
 from jax_dsa.ops.sparse_mla.config import Call, Config
@@ -127,7 +127,10 @@ def sparse_mla(
     out, lse, max_logits = _sparse_mla(*operands, config)
     out, lse = out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
     if return_max_logits:
-        return out, lse, max_logits.reshape(batch + (s_q, h))
+        # Native kernels take maxima with fmax, which drops a NaN: a poisoned row's (NaN lse)
+        # maximum is NaN too.
+        max_logits = jnp.where(jnp.isnan(lse), jnp.nan, max_logits.reshape(batch + (s_q, h)))
+        return out, lse, max_logits
     return out, lse
 
 
@@ -136,9 +139,9 @@ def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementa
     ``(batch, (q [NB, S_q, H, D_qk], kv [NB, S_kv, D_qk], indices [NB, S_q, K] int32,
     sink [H], topk_length [NB, S_q] int32), config)``, as :mod:`~jax_dsa.ops.sparse_mla.sharding`
     takes them (for ops built on this one)."""
-    q, kv, indices = jnp.asarray(q), jnp.asarray(kv), jnp.asarray(indices)
+    q, kv, indices = jnp.asarray(q), jnp.asarray(kv), int32_slots(indices)
     attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
-    topk_length = None if topk_length is None else jnp.asarray(topk_length)
+    topk_length = None if topk_length is None else int32_slots(topk_length)
     impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]

@@ -40,6 +40,11 @@ def _valid_and_safe(idx, length, s_kv):
 
 def _logits(qb, rows, valid, sm_scale, acc):
     s = jnp.einsum("qhd,qkd->qhk", qb.astype(acc), rows.astype(acc)) * jnp.asarray(sm_scale, acc)
+    # A NaN or inf that a query reads (in its q or a selected row) makes the logit NaN whatever
+    # its sign, so that it reaches out and lse (the op's convention for poisoned inputs).
+    poisoned = (~jnp.all(jnp.isfinite(qb), axis=-1)[:, :, None]
+                | ~jnp.all(jnp.isfinite(rows), axis=-1)[:, None, :])
+    s = jnp.where(poisoned, jnp.nan, s)
     return jnp.where(valid[:, None, :], s, -jnp.inf)
 
 
@@ -62,7 +67,8 @@ def forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v, block_q):
         rows = kv.at[safe].get(mode="fill", fill_value=0)
         s = _logits(qb, rows, valid, sm_scale, acc)
         max_logits = jnp.max(s, axis=-1)  # invalid slots are -inf: -inf for an empty row
-        has_slot = jnp.isfinite(max_logits)
+        # Empty means no valid slot; a NaN maximum (a poisoned row) is not empty.
+        has_slot = jnp.broadcast_to(jnp.any(valid, axis=-1)[:, None], max_logits.shape)
         m = jnp.where(has_slot, max_logits, 0)
         e = jnp.exp(s - m[..., None])
         l = jnp.sum(e, axis=-1)
@@ -98,15 +104,15 @@ def backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale
         valid, safe = _valid_and_safe(ib, lb, s_kv)
         rows = kv.at[safe].get(mode="fill", fill_value=0).astype(acc)
         s = _logits(qb, rows, valid, sm_scale, acc)
-        has_slot = jnp.isfinite(lseb)
+        has_slot = lseb != jnp.inf  # +inf marks an empty row; NaN (poisoned) is not empty
         lse_full = jnp.where(has_slot, jnp.logaddexp(lseb.astype(acc), sink[None, :]), jnp.inf)
-        p = jnp.exp(s - lse_full[..., None])  # 0 on invalid slots and empty rows
+        p = jnp.where(valid[:, None, :], jnp.exp(s - lse_full[..., None]), 0)
         # exp(sink - lse_full) as a sigmoid: finite (1) for a sink of +inf, where it is inf - inf.
         p_sink = jnp.where(has_slot, jax.nn.sigmoid(sink[None, :] - lseb.astype(acc)), 0)
         dob = dob.astype(acc)
         delta = jnp.sum(dob * ob.astype(acc), axis=-1)  # rowsum(dout * out)
         dp = jnp.einsum("qhd,qkd->qhk", dob, rows[..., :d_v])
-        ds = p * (dp - delta[..., None])
+        ds = jnp.where(valid[:, None, :], p * (dp - delta[..., None]), 0)
         dqb = jnp.einsum("qhk,qkd->qhd", ds, rows) * scale
         d_rows = jnp.einsum("qhk,qhd->qkd", ds, qb.astype(acc)) * scale
         d_rows = d_rows.at[..., :d_v].add(jnp.einsum("qhk,qhd->qkd", p, dob))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_dsa.ops.blocks import default_block_q, einsum
-from jax_dsa.ops.checks import check_int, check_positions, check_sm_scale
+from jax_dsa.ops.checks import check_int, check_positions, check_sm_scale, int32_slots
 from jax_dsa.ops.indexer.scores import check_indexer, dense_scores, sparse_scores
 from jax_dsa.ops.visibility import visibility
 
@@ -24,8 +24,11 @@ def block_support_and_logits(iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_s
         support = valid & (kv_pos[safe] <= pb[:, None])
         if sb is not None:
             support = support & (kv_seg[safe] == sb[:, None])
-        score = sparse_scores(iqb, ik[safe], iwb, acc)
-        logits = einsum("qhd,qkd->qhk", qb, kv[safe], acc) * jnp.asarray(scale, acc)
+        # Invalid slots gather zeros (and their gradients are dropped): never a row's values.
+        rows = jnp.where(valid, ib, kv.shape[0])
+        score = sparse_scores(iqb, ik.at[rows].get(mode="fill", fill_value=0), iwb, acc)
+        kv_rows = kv.at[rows].get(mode="fill", fill_value=0)
+        logits = einsum("qhd,qkd->qhk", qb, kv_rows, acc) * jnp.asarray(scale, acc)
     return support & okb[:, None], score, logits
 
 
@@ -56,7 +59,7 @@ def check_kl_args(name, index_q, index_k, index_weights, q, kv, sm_scale, indice
         batch + (s_kv,),
     )
     if indices is not None:
-        indices = jnp.asarray(indices)
+        indices = int32_slots(indices)
         if indices.ndim != nbd + 2 or indices.shape[:-1] != batch + (s_q,):
             raise ValueError(
                 f"{name}: indices must be [..., S_q, K] = {batch + (s_q,)} + (K,), got shape "

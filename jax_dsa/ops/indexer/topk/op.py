@@ -122,6 +122,11 @@ def indexer_topk(
         jnp.dtype(acc_dtype(q, k, weights)), h_i, q.shape[-1], s_q, s_kv, k_eff,
         q_seg is not None, fp8))
 
+    return_scores = bool(return_scores)
+    if s_q == 0:  # no query, nothing to select: no kernel launch (an empty grid is invalid)
+        empty = (jnp.zeros(batch + (0, topk), jnp.int32),
+                 jnp.zeros(batch + (0, topk), acc_dtype(q, k, weights)))
+        return empty if return_scores else empty[0]
     q, k, weights = (jax.lax.stop_gradient(x) for x in (q, k, weights))
     k_scale = None
     if fp8:
@@ -130,7 +135,6 @@ def indexer_topk(
         weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32)) * q_scale
     args = flatten_batch(batch, q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
     args += (None if k_scale is None else k_scale.reshape(args[4].shape),)
-    return_scores = bool(return_scores)
     config = TopkConfig(k_eff, block_q, impl, return_scores)
     outs = partitioned_call("indexer_topk", lambda layout, *a: impl.forward(*a, config), args,
                             ROLES + ("bt",), RESULTS[:1 + return_scores])  # + k_scale

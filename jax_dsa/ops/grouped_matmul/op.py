@@ -1,0 +1,113 @@
+"""``grouped_matmul``: rows of ``lhs`` grouped by ``group_sizes``, each group times its own
+matrix (the routed experts of a mixture-of-experts layer).
+
+The contract is ``jax.lax.ragged_dot``'s (mode 1, a ragged non-contracting dimension): rows
+``[o_g, o_g + group_sizes[g])`` of ``lhs`` (``o_g`` the sizes' running sum) are multiplied by
+``rhs[g]``; rows past the last group are zero. The VJP gives the input gradient (``dout`` times
+each row's ``rhs[g]ᵀ``) and the weight gradient (per group, ``lhs_gᵀ dout_g``: a product whose
+contracting dimension is ragged), as Megatron-LM's ``GroupedMLP`` and DeepSeek-V3's training
+(arXiv:2412.19437) need them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_dsa.ops.checks import int32_slots
+from jax_dsa.ops.grouped_matmul import xla
+from jax_dsa.ops.grouped_matmul.config import Call, Config
+from jax_dsa.ops.registry import Registry
+
+REGISTRY = Registry(
+    "grouped_matmul",
+    (xla.IMPLEMENTATION,),
+    preference={"default": ("xla",)},
+)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, preferred_element_type=None):
+    """``out[i] = lhs[i] @ rhs[g(i)]``, with ``g(i)`` the group that row ``i`` falls in.
+
+    Args:
+      lhs: ``[M, K]`` float (bfloat16 for the ``"cuda"`` kernels): rows sorted by group.
+      rhs: ``[G, K, N]``, ``lhs``'s dtype: one matrix per group.
+      group_sizes: ``[G]`` integer rows per group, in order. Values only known at run time are
+        clamped, never trusted: a negative size counts as 0, and rows past ``M`` are dropped
+        (the running sum is clipped to ``[0, M]``), so no implementation reads or writes out of
+        bounds. Rows past the sizes' sum give zeros.
+      implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
+        the call runs), or ``None`` (the platform's preference). ``"xla"``:
+        ``jax.lax.ragged_dot``, any platform (XLA's GPU compiler expands it densely over the
+        groups: work and memory grow with ``G * M``).
+      preferred_element_type: the result's dtype; default ``lhs``'s. Products accumulate in
+        float32 (float64 for float64 inputs) whatever it is.
+
+    Returns:
+      ``[M, N]``.
+
+    Gradients (``jax.custom_vjp``): ``lhs`` and ``rhs``; ``group_sizes`` takes none.
+
+    Raises:
+      TypeError: non-float or mismatched ``lhs``/``rhs``, non-integer ``group_sizes``.
+      ValueError: wrong ranks or shapes (named by argument), an unknown implementation or one
+        that does not support the call (its reason given).
+      NotImplementedError: the requested implementations are not built in this install.
+    """
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), int32_slots(group_sizes)
+    REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
+    _check(lhs, rhs, group_sizes)
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+    impl = REGISTRY.choose(implementation, Call(jnp.dtype(lhs.dtype), m, k, n, g))
+    return _grouped_matmul(lhs, rhs, clamp_group_sizes(group_sizes, m), Config(impl, out_dtype))
+
+
+def clamp_group_sizes(group_sizes, m):
+    """``group_sizes`` as int32 with negative sizes 0 and the running sum clipped to ``[0, m]``
+    (each size is first clipped to ``m``, so the sum cannot overflow for ``G * M < 2**31``)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes.astype(jnp.int32), 0, m)), m)
+    return jnp.diff(ends, prepend=0).astype(jnp.int32)
+
+
+def _check(lhs, rhs, group_sizes):
+    name = "grouped_matmul"
+    if lhs.ndim != 2:
+        raise ValueError(f"{name}: lhs must be [M, K], got shape {lhs.shape}")
+    if rhs.ndim != 3:
+        raise ValueError(f"{name}: rhs must be [G, K, N], got shape {rhs.shape}")
+    if rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(
+            f"{name}: rhs's K {rhs.shape[1]} must equal lhs's K {lhs.shape[1]} (lhs {lhs.shape}, "
+            f"rhs {rhs.shape})")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(
+            f"{name}: group_sizes must be [G] = ({rhs.shape[0]},) like rhs's group dim, got "
+            f"shape {group_sizes.shape}")
+    if not jnp.issubdtype(lhs.dtype, jnp.floating) or lhs.dtype != rhs.dtype:
+        raise TypeError(
+            f"{name}: lhs and rhs must share one float dtype, got {lhs.dtype} and {rhs.dtype}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{name}: group_sizes must be an integer array, got {group_sizes.dtype}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_matmul(lhs, rhs, group_sizes, config: Config):
+    return config.implementation.forward(lhs, rhs, group_sizes, config)
+
+
+def _fwd_rule(lhs, rhs, group_sizes, config):
+    out = config.implementation.forward(lhs, rhs, group_sizes, config)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _bwd_rule(config, residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    d_lhs, d_rhs = config.implementation.backward(lhs, rhs, group_sizes, dout, config)
+    return d_lhs, d_rhs, None
+
+
+_grouped_matmul.defvjp(_fwd_rule, _bwd_rule)
