@@ -73,6 +73,21 @@ def test_many_groups_random_routing(groups):
     assert not np.asarray(got[0])[m - 7:].any()  # rows past the groups are zero
 
 
+def test_transposed_rhs_equals_plain():
+    rng = np.random.default_rng(3)
+    sizes = np.array([5, 0, 9, 2], np.int32)
+    lhs, dout = rng.standard_normal((16, 8)), rng.standard_normal((16, 6))
+    rhs = rng.standard_normal((4, 8, 6))
+    plain = run(jnp.float32(lhs), jnp.float32(rhs), sizes, jnp.float32(dout))
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, transpose_rhs=True),
+                       jnp.float32(lhs), jnp.float32(np.swapaxes(rhs, 1, 2)))
+    d_lhs, d_rhs_t = vjp(jnp.float32(dout))
+    for a, b in zip((out, d_lhs, jnp.swapaxes(d_rhs_t, 1, 2)), plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"rhs's K 6 must equal lhs's K 8"):
+        grouped_matmul(jnp.float32(lhs), jnp.float32(rhs), sizes, transpose_rhs=True)
+
+
 def test_clamp_group_sizes():
     got = clamp_group_sizes(jnp.array([4, -3, 20, 5, 1]), 12)
     assert np.asarray(got).tolist() == [4, 0, 8, 0, 0]

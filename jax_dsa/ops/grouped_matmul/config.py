@@ -31,7 +31,9 @@ class Config:
     Attributes:
       implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
       out_dtype: the result's dtype.
+      transpose_rhs: ``rhs`` is ``[G, N, K]``.
     """
 
     implementation: object
     out_dtype: np.dtype
+    transpose_rhs: bool = False

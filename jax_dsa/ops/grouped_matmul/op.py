@@ -28,12 +28,16 @@ REGISTRY = Registry(
 )
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, preferred_element_type=None):
-    """``out[i] = lhs[i] @ rhs[g(i)]``, with ``g(i)`` the group that row ``i`` falls in.
+def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, implementation=None,
+                   preferred_element_type=None):
+    """``out[i] = lhs[i] @ rhs[g(i)]`` (``rhs[g(i)]ᵀ`` with ``transpose_rhs``), with ``g(i)`` the
+    group that row ``i`` falls in.
 
     Args:
       lhs: ``[M, K]`` float (bfloat16 for the ``"cuda"`` kernels): rows sorted by group.
-      rhs: ``[G, K, N]``, ``lhs``'s dtype: one matrix per group.
+      rhs: ``[G, K, N]``, ``lhs``'s dtype: one matrix per group; ``[G, N, K]`` with
+        ``transpose_rhs`` (PyTorch's ``[out, in]`` weight layout, as the checkpoints store the
+        experts: no transposed copy is made).
       group_sizes: ``[G]`` integer rows per group, in order. Values only known at run time are
         clamped, never trusted: a negative size counts as 0, and rows past ``M`` are dropped
         (the running sum is clipped to ``[0, M]``), so no implementation reads or writes out of
@@ -58,12 +62,15 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, preferred_elem
     """
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), int32_slots(group_sizes)
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
-    _check(lhs, rhs, group_sizes)
+    if not isinstance(transpose_rhs, bool):
+        raise TypeError(f"grouped_matmul: transpose_rhs must be a Python bool, got {transpose_rhs!r}")
+    _check(lhs, rhs, group_sizes, transpose_rhs)
     m, k = lhs.shape
-    g, _, n = rhs.shape
+    g, n = rhs.shape[0], rhs.shape[1 if transpose_rhs else 2]
     out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
     impl = REGISTRY.choose(implementation, Call(jnp.dtype(lhs.dtype), m, k, n, g))
-    return _grouped_matmul(lhs, rhs, clamp_group_sizes(group_sizes, m), Config(impl, out_dtype))
+    config = Config(impl, out_dtype, transpose_rhs)
+    return _grouped_matmul(lhs, rhs, clamp_group_sizes(group_sizes, m), config)
 
 
 def clamp_group_sizes(group_sizes, m):
@@ -73,16 +80,18 @@ def clamp_group_sizes(group_sizes, m):
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
-def _check(lhs, rhs, group_sizes):
+def _check(lhs, rhs, group_sizes, transpose_rhs):
     name = "grouped_matmul"
+    layout = "[G, N, K] (transpose_rhs)" if transpose_rhs else "[G, K, N]"
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs must be [M, K], got shape {lhs.shape}")
     if rhs.ndim != 3:
-        raise ValueError(f"{name}: rhs must be [G, K, N], got shape {rhs.shape}")
-    if rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"{name}: rhs must be {layout}, got shape {rhs.shape}")
+    rhs_k = rhs.shape[2 if transpose_rhs else 1]
+    if rhs_k != lhs.shape[1]:
         raise ValueError(
-            f"{name}: rhs's K {rhs.shape[1]} must equal lhs's K {lhs.shape[1]} (lhs {lhs.shape}, "
-            f"rhs {rhs.shape})")
+            f"{name}: rhs's K {rhs_k} must equal lhs's K {lhs.shape[1]} (lhs {lhs.shape}, rhs "
+            f"{rhs.shape} as {layout})")
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(
             f"{name}: group_sizes must be [G] = ({rhs.shape[0]},) like rhs's group dim, got "
