@@ -7,9 +7,9 @@
 #
 #   benchmarks/build_fwd_variant.sh NAME [KERNEL_SOURCE]
 #
-# KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd_sm90.py with the change to measure (default:
-# the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of the four
-# exported objects and of their device code: equal cubin checksums mean the same device code; the
+# KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py with the change to measure
+# (default: the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of
+# the exported objects and of their device code: equal cubin checksums mean the same device code; the
 # launch settings live in the host code). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
@@ -20,7 +20,7 @@ case $name in
                           exit 2 ;;
 esac
 root=$(cd "$(dirname "$0")/.." && pwd)
-src=${2:-$root/ffi/cuda/sparse_mla_fwd_sm90.py}
+src=${2:-$root/ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py}
 [ -f "$src" ] || { echo "build_fwd_variant: no kernel source $src" >&2; exit 2; }
 src=$(realpath "$src")
 py=$root/.venv/bin/python
@@ -37,18 +37,18 @@ dsl_runtime=$site/nvidia_cutlass_dsl/cu13/lib/libcuda_dialect_runtime_static.a
 out=$root/build/fwd_variants/$name
 gen=$out/gen
 rm -rf "$out"
-mkdir -p "$gen/src/ffi/cuda" "$gen/src/jax_dsa" "$gen/obj"
-# The export script imports the kernel module from its own folder and reads the variants from
-# jax_dsa/kernel_spec.py two folders up: the copy keeps the checkout's layout.
-cp "$root/ffi/cuda/export_sparse_mla_fwd.py" "$root/ffi/cuda/kernel_spec_loader.py" \
-  "$gen/src/ffi/cuda/"
-cp "$src" "$gen/src/ffi/cuda/sparse_mla_fwd_sm90.py"
+mkdir -p "$gen/src/ffi/cuda/export" "$gen/src/ffi/cuda/sparse_mla_fwd" "$gen/src/jax_dsa" "$gen/obj"
+# The export script imports the kernel module from ../sparse_mla_fwd and reads the variants from
+# jax_dsa/kernel_spec.py three folders up: the copy keeps the checkout's layout.
+cp "$root/ffi/cuda/export/export_sparse_mla_fwd.py" "$root/ffi/cuda/export/kernel_spec_loader.py" \
+  "$gen/src/ffi/cuda/export/"
+cp "$src" "$gen/src/ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py"
 cp "$root/jax_dsa/kernel_spec.py" "$gen/src/jax_dsa/"
-"$py" "$gen/src/ffi/cuda/export_sparse_mla_fwd.py" --out-dir "$gen/obj" --jobs 2 \
+"$py" "$gen/src/ffi/cuda/export/export_sparse_mla_fwd.py" --out-dir "$gen/obj" --jobs 2 \
   >"$gen/export.log" 2>&1 || { tail -30 "$gen/export.log" >&2; exit 1; }
 g++ -O2 -std=c++17 -fPIC -shared -o "$out/libfwd.so" \
   -I "$root/ffi" -I "$gen/obj" -isystem "$cuda_home/include" \
-  "$root/ffi/cuda/bench/sparse_mla_fwd_bench.cc" "$root/ffi/cuda/sparse_mla_fwd_launch.cc" \
+  "$root/ffi/cuda/bench/sparse_mla_fwd_bench.cc" "$root/ffi/cuda/sparse_mla_fwd/launch.cc" \
   "$gen/obj/sparse_mla_fwd_variants.cc" "$gen/obj"/*.o \
   "$dsl_runtime" "$cuda_home/lib64/libcudart_static.a" -lpthread -ldl -lrt
 # Checksums of each object and of the cubin (CUDA ELF image) it embeds. The objects also hold host

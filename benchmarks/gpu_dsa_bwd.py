@@ -277,7 +277,6 @@ def main():
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
                   commit=os.environ.get("JAX_DSA_COMMIT", "unknown"),
-                  cuda_graphs=os.environ.get("JAX_DSA_CUDA_GRAPHS", "1"),
                   flop_count="10 * S_q * K * H * D_qk per backward",
                   timing="median of --iters runs after 5 warm-ups")
     if not args.skip_first_call:

@@ -8,13 +8,12 @@ Each time is the median of --reps jitted calls after 3 warm-up calls, host wall 
 block_until_ready, fresh random bf16 inputs (no zeros); ``cuda_device_ms`` is the same call's GPU
 time (its kernels' durations in a profiler trace, no launch or synchronisation latency: the
 measure of CUDA-event timings) and ``cuda_pipelined_ms`` the wall time a call with --reps calls
-queued and one wait at the end. Beside the whole call: the score kernels
-alone (JAX_DSA_INDEXER_STAGES=score: the top-k kernel is skipped), so top-k = whole - scores;
-the same two for ``qk_dtype="float8_e4m3fn"`` (the bf16 kernels on the exact fp8 values,
-quantization included), and the share of the 256 longest rows' keys that bf16 and fp8 both select.
-Command buffers are turned off (XLA_FLAGS) so that the variable takes effect per call. The
-kernels' own CUDA-event times, per score-kernel variant, come from
-``topk_selftest --bench`` (ffi/cuda/indexer/topk_selftest.cu).
+queued and one wait at the end; ``cuda_device_kernels`` splits the GPU time by kernel (score,
+top-k). Beside it: the whole call for ``qk_dtype="float8_e4m3fn"`` (the bf16 kernels on the exact
+fp8 values, quantization included), and the share of the 256 longest rows' keys that bf16 and fp8
+both select. Command buffers are turned off (XLA_FLAGS), as in the stored results. The kernels'
+own CUDA-event times (score kernel alone, top-k kernel alone) come from ``topk_selftest --bench``
+(ffi/cuda/selftest/topk_selftest.cu, built with JAX_DSA_CUDA_SELFTEST=ON).
 
 TFLOP/s counts the score products of the visible pairs only: 2 * H_I * D_I * visible_pairs.
 """
@@ -111,19 +110,10 @@ def main():
         trace = kernel_times(f, args, a.reps, top=8)
         row["cuda_device_ms"] = trace["busy_ms"]
         row["cuda_device_kernels"] = trace["kernels"]
-        os.environ["JAX_DSA_INDEXER_STAGES"] = "score"
-        row["score_only_ms"], _ = timed(f, args, a.reps)
-        del os.environ["JAX_DSA_INDEXER_STAGES"]
-        row["topk_ms"] = row["cuda_ms"] - row["score_only_ms"]
         row["score_tflops"] = flops / (row["cuda_ms"] * 1e-3) / 1e12
-        row["score_kernel_tflops"] = flops / (row["score_only_ms"] * 1e-3) / 1e12
         # The fp8 scores (qk_dtype="float8_e4m3fn"): the whole call includes the quantization.
         f8 = make("cuda", "float8_e4m3fn")
         row["fp8_ms"], _ = timed(f8, args, a.reps)
-        os.environ["JAX_DSA_INDEXER_STAGES"] = "score"
-        row["fp8_score_only_ms"], _ = timed(f8, args, a.reps)
-        del os.environ["JAX_DSA_INDEXER_STAGES"]
-        row["fp8_score_kernel_tflops"] = flops / (row["fp8_score_only_ms"] * 1e-3) / 1e12
         sel, sel8 = (np.asarray(g(*args)[-256:]) for g in (f, f8))  # the longest rows
         row["fp8_same_keys_frac"] = float(np.mean([len(set(x) & set(y)) / len(set(x))
                                                    for x, y in zip(sel, sel8)]))

@@ -1,12 +1,19 @@
 """Loads the compiled XLA FFI handler modules and registers their targets with JAX.
 
-Modules (built by CMake, see ``CMakeLists.txt``):
+Modules (built by CMake, see ``CMakeLists.txt``; sources and files per op:
+``docs/native_kernels.md``):
 
-* ``jax_dsa._cpu``: host sparse MLA forward and backward (always built).
-* ``jax_dsa._cuda``: jax_dsa's SM90 sparse MLA forward and the cuDNN frontend's SM90 DSA
-  backward, compiled ahead of time with CuTe DSL (built when ``JAX_DSA_CUDA`` is ``AUTO`` and the
-  toolchain is found, or ``ON``).
-* ``jax_dsa._cuda_indexer``: the lightning indexer's SM90 kernels (CUDA C++, built with ``_cuda``).
+* ``jax_dsa._cpu`` (``ffi/cpu/module_cpu.cc``): host sparse MLA forward and backward (always
+  built).
+* ``jax_dsa._cuda`` (``ffi/cuda/module_cuda.cc``): jax_dsa's SM90 sparse MLA forward and the
+  cuDNN frontend's SM90 DSA backward, compiled ahead of time with CuTe DSL (built when
+  ``JAX_DSA_CUDA`` is ``AUTO`` and the toolchain is found, or ``ON``).
+* ``jax_dsa._cuda_indexer`` (``ffi/cuda/module_cuda_indexer.cc``): the lightning indexer's SM90
+  kernels (CUDA C++, built with ``_cuda``).
+
+Each module's ``registrations()`` maps FFI target names to handler capsules (or to
+``{"initialize": ..., "execute": ...}``); they are registered as they are, and no environment
+variable changes which handler a target gets.
 
 Beside ``_cuda``, and never loaded here, the build installs ``libjax_dsa_cuda_bench.so``: the same
 kernels' raw-pointer entries for ``benchmarks/`` (:func:`bench_library`).
@@ -28,14 +35,14 @@ LOAD_ERRORS: dict[str, str] = {}
 _MODULES: dict[str, object] = {}
 
 
-def _load(name: str, platform: str, **registration_options):
+def _load(name: str, platform: str):
     try:
         mod = importlib.import_module(f"jax_dsa.{name}")
     except ImportError as e:  # not built, or built for another Python/ABI
         LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
         return None
     try:
-        for target, capsule in mod.registrations(**registration_options).items():
+        for target, capsule in mod.registrations().items():
             jax.ffi.register_ffi_target(target, capsule, platform=platform, api_version=1)
     except Exception as e:  # noqa: BLE001 - recorded and reported by `available`/`require`
         LOAD_ERRORS[name] = f"registering its FFI targets failed: {type(e).__name__}: {e}"
@@ -46,14 +53,12 @@ def _load(name: str, platform: str, **registration_options):
 
 cpu = _load("_cpu", "cpu")
 # CUDA targets may be registered without a GPU: jaxlib queues them until a CUDA plugin loads.
-# JAX_DSA_CUDA_GRAPHS=0 registers the backward without the command-buffer trait (A/B checks).
-_graphs = os.environ.get("JAX_DSA_CUDA_GRAPHS", "1") != "0"
-cuda = _load("_cuda", "CUDA", graphs=_graphs)
-cuda_indexer = _load("_cuda_indexer", "CUDA", graphs=_graphs)
+cuda = _load("_cuda", "CUDA")
+cuda_indexer = _load("_cuda_indexer", "CUDA")
 if cpu is not None:
     # implementation="cuda" placed on the host: a clear error at run time, not "no handler".
     for _mod in (cuda, cuda_indexer):
-        for _target in (() if _mod is None else _mod.registrations(graphs=_graphs)):
+        for _target in (() if _mod is None else _mod.registrations()):
             jax.ffi.register_ffi_target(_target, cpu.cuda_on_host(), platform="cpu",
                                         api_version=1)
 

@@ -1,8 +1,9 @@
 """What the CUDA kernels of ``jax_dsa._cuda`` are compiled for: the one list of their variants.
 
-The build compiles one kernel per variant ahead of time (``ffi/cuda/export_*.py``, CuTe DSL) and
-generates the handlers' dispatch tables from the same values; the ``"cuda"`` implementation of
-``sparse_mla`` pads each call to a compiled variant and refuses the rest. Both read this module.
+The build compiles one kernel per variant ahead of time (``ffi/cuda/export/export_*.py``, CuTe
+DSL) and generates the handlers' dispatch tables from the same values; the ``"cuda"``
+implementation of ``sparse_mla`` pads each call to a compiled variant and refuses the rest. Both
+read this module.
 
 The export scripts load this file by path (``importlib``), in a build environment that need not
 have jax: it must import nothing beyond the standard library. A change of a value re-runs the
@@ -30,7 +31,7 @@ V4 row)."""
 SPARSE_MLA_FWD_K_MULTIPLE = 4
 """The forward's slot count K must be a multiple of this (the glue pads with -1): the kernel
 fetches each query's row of int32 slot ids in 16-byte blocks. A property of the kernel's code
-(``ffi/cuda/sparse_mla_fwd_sm90.py``), not a build choice; the handler checks it."""
+(``ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py``), not a build choice; the handler checks it."""
 
 DSA_BWD_SLOT_BUCKETS: tuple[int, ...] = (128, 256, 512, 640, 1024, 1152, 2048)
 """Slot widths K of the SM90 backward (the cuDNN frontend's DSA backward,

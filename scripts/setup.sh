@@ -6,6 +6,8 @@
 # JAX_DSA_CUDA=OFF skips the CUDA module; ON makes a missing toolchain an error.
 # JAX_DSA_CUDA_SM100=OFF skips the compile-only SM100/SM103 kernel export (default ON).
 # JAX_DSA_CUDA_BENCH=OFF skips the benchmark library jax_dsa/libjax_dsa_cuda_bench.so (default ON).
+# JAX_DSA_CUDA_SELFTEST=ON also builds the development self-tests (ffi/cuda/selftest) in
+# build/*/ffi/cuda (default OFF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +43,7 @@ stamp=.venv/.jax_dsa-installed
 # The build switches and the module list are part of the install: a change of either rebuilds.
 settings="JAX_DSA_CUDA=${JAX_DSA_CUDA:-AUTO} JAX_DSA_CUDA_SM100=${JAX_DSA_CUDA_SM100:-ON}"
 settings+=" JAX_DSA_CUDA_BENCH=${JAX_DSA_CUDA_BENCH:-ON}"
+settings+=" JAX_DSA_CUDA_SELFTEST=${JAX_DSA_CUDA_SELFTEST:-OFF}"
 install_state() { echo "$settings"; find jax_dsa -name '*.py' | sort; }
 changed() {  # anything the install depends on newer than the stamp, or other switches/modules?
   [ ! -f "$stamp" ] && return 0

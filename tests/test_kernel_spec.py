@@ -14,7 +14,8 @@ from jax_dsa import _native, kernel_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPEC = ROOT / "jax_dsa" / "kernel_spec.py"
-EXPORTS = ROOT / "ffi" / "cuda"
+EXPORTS = ROOT / "ffi" / "cuda" / "export"
+FWD_KERNEL = ROOT / "ffi" / "cuda" / "sparse_mla_fwd" / "sparse_mla_fwd_sm90.py"
 NAMES = ("SPARSE_MLA_HEADS", "SPARSE_MLA_D_QK", "SPARSE_MLA_D_V", "SPARSE_MLA_FWD_K_MULTIPLE",
          "DSA_BWD_SLOT_BUCKETS", "DSA_BWD_SM100_SLOT_BUCKETS")
 
@@ -89,9 +90,9 @@ def test_export_scripts_list_the_spec_variants():
              for d in ks.SPARSE_MLA_D_QK for k in ks.DSA_BWD_SLOT_BUCKETS + ("any",)]
     assert bwd == want
     fwd = _bare_python(str(EXPORTS / "export_sparse_mla_fwd.py"), "--list-outputs").split()
-    assert fwd == [f"jax_dsa_{form}_mla_{mode}_h{h}_d{d}.o" for mode in ("fwd", "target")
-                   for form in ("sparse", "dense") for h in ks.SPARSE_MLA_HEADS
-                   for d in ks.SPARSE_MLA_D_QK]
+    assert fwd == [f"jax_dsa_{form}_mla_{mode}_h{h}_d{d}.o"
+                   for form, mode in (("sparse", "fwd"), ("dense", "fwd"), ("sparse", "target"))
+                   for h in ks.SPARSE_MLA_HEADS for d in ks.SPARSE_MLA_D_QK]
     sm100 = _bare_python(str(EXPORTS / "export_dsa_bwd_sm100.py"), "--list-outputs").split()
     buckets = {int(f.rsplit("_k", 1)[1][:-2]) for f in sm100 if f.endswith(".o")}
     assert buckets == set(ks.DSA_BWD_SM100_SLOT_BUCKETS)
@@ -99,7 +100,7 @@ def test_export_scripts_list_the_spec_variants():
 
 def test_the_forward_kernel_is_written_for_the_spec_d_v():
     # The kernel module needs CuTe DSL to import, so its constant is read from the source.
-    tree = ast.parse((EXPORTS / "sparse_mla_fwd_sm90.py").read_text())
+    tree = ast.parse(FWD_KERNEL.read_text())
     d_v = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
            and [getattr(t, "id", None) for t in n.targets] == ["D_V"]]
     assert d_v == [kernel_spec.SPARSE_MLA_D_V]
@@ -114,8 +115,7 @@ def test_built_module_holds_exactly_the_spec_variants():
     assert [tuple(v) for v in fwd["variants"]] == [(h, d) for h in ks.SPARSE_MLA_HEADS
                                                    for d in ks.SPARSE_MLA_D_QK]
     assert [tuple(v) for v in fwd["dense_variants"]] == [tuple(v) for v in fwd["variants"]]
-    assert [tuple(v) for v in fwd["target_variants"]] == [
-        (h, d, c) for c in (0, 1) for h in ks.SPARSE_MLA_HEADS for d in ks.SPARSE_MLA_D_QK]
+    assert [tuple(v) for v in fwd["target_variants"]] == [tuple(v) for v in fwd["variants"]]
     assert fwd["d_v"] == ks.SPARSE_MLA_D_V
     assert fwd["k_multiple"] == ks.SPARSE_MLA_FWD_K_MULTIPLE
     assert [tuple(v) for v in bwd["variants"]] == [

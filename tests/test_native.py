@@ -136,7 +136,7 @@ def test_baseline_kernels_match_xla():
         import jax, jax.numpy as jnp, numpy as np
         import jax_dsa._cpu as c
         from jax_dsa import sparse_mla
-        assert c.kernel_isa() == "baseline", c.kernel_isa()
+        assert c.use_kernel_isa("baseline") == "baseline" == c.kernel_isa(), c.kernel_isa()
         rng = np.random.default_rng(3)
         q = rng.standard_normal((20, 3, 24)).astype(np.float32)
         kv = rng.standard_normal((15, 24)).astype(np.float32)
@@ -152,7 +152,7 @@ def test_baseline_kernels_match_xla():
         print("max_abs_err", err)
         assert err < 1e-4, err
     """)
-    env = dict(os.environ, JAX_DSA_CPU_ISA="baseline", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "max_abs_err" in r.stdout

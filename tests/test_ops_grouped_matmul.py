@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_dsa import _native
 from jax_dsa.ops.checks import int32_slots
 from jax_dsa.ops.grouped_matmul import grouped_matmul
 from jax_dsa.ops.grouped_matmul.op import clamp_group_sizes
@@ -114,3 +115,118 @@ def test_dtype_errors():
     with pytest.raises(TypeError, match="group_sizes must be an integer"):
         grouped_matmul(np.ones((4, 4), np.float32), np.ones((2, 4, 3), np.float32),
                        np.array([2.0, 2.0]))
+
+
+# --------------------------------------------------------------------------------------------
+# "cuda" (SM90): the same contract at small shapes and at GLM-5's expert dims
+
+
+def _sm90_error():
+    from jax_dsa.ops.registry import sm90_device_error
+
+    return sm90_device_error()
+
+
+requires_cuda = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or _sm90_error() is not None,
+    reason="needs an SM90 GPU and the CUDA module")
+
+
+def _rel(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("name", sorted(SIZES) + ["random 64"])
+def test_cuda_matches_float64_oracle(name, transpose_rhs):
+    rng = np.random.default_rng(11)
+    if name == "random 64":
+        m, sizes = 3000, rng.multinomial(2900, np.ones(64) / 64).astype(np.int32)
+    else:
+        m, sizes = 300, np.array(SIZES[name], np.int32) * 25
+    k, n = 192, 320
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs,
+                                                   implementation="cuda"), lhs, w)
+    d_lhs, d_w = vjp(dout)
+    d_rhs = jnp.swapaxes(d_w, 1, 2) if transpose_rhs else d_w
+    ref = oracle(*(np.asarray(x.astype(jnp.float32)) for x in (lhs, rhs)), sizes,
+                 np.asarray(dout.astype(jnp.float32)))
+    for got, want in zip((out, d_lhs, d_rhs), ref):
+        assert got.shape == want.shape and got.dtype == jnp.bfloat16
+        assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
+        assert _rel(got, want) <= 1e-2
+    end = int(np.clip(np.cumsum(np.maximum(sizes, 0)), 0, m)[-1])
+    assert not np.asarray(out.astype(jnp.float32))[end:].any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("groups", [8, 256])
+def test_cuda_glm5_expert_dims(groups):
+    """GLM-5's gate projection (K 6144 -> N 2048), 16K tokens x top-8 = 131072 rows: forward and
+    input gradient on sampled rows of every group, weight gradient on sampled groups, against
+    float64."""
+    rng = np.random.default_rng(groups)
+    m, k, n = 131072, 6144, 2048
+    sizes = rng.multinomial(m, np.ones(groups) / groups).astype(np.int32)
+    lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    rhs = (jax.random.normal(jax.random.key(1), (groups, k, n), jnp.float32) / 64).astype(
+        jnp.bfloat16)
+    dout = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, implementation="cuda"), lhs, rhs)
+    d_lhs, d_rhs = vjp(dout)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    rows = np.unique(np.concatenate([s + rng.integers(0, max(z, 1), 2) for s, z in
+                                     zip(starts, sizes) if z > 0]))
+    group_of = np.searchsorted(np.cumsum(sizes), rows, side="right")
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    a, w, g = f64(lhs[rows]), f64(rhs), f64(dout[rows])
+    want_out = np.einsum("rk,rkn->rn", a, w[group_of])
+    want_dl = np.einsum("rn,rkn->rk", g, w[group_of])
+    assert _rel(out[rows], want_out) <= 1e-2
+    assert _rel(d_lhs[rows], want_dl) <= 1e-2
+    for e in rng.choice(groups, 2, replace=False):
+        sl = slice(starts[e], starts[e] + sizes[e])
+        want = f64(lhs[sl]).T @ f64(dout[sl])
+        assert _rel(d_rhs[e], want) <= 1e-2
+
+
+@pytest.mark.skipif("cuda" not in _native.available(), reason="CUDA module not built")
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_cuda_lowers_to_the_three_kernels(transpose_rhs):
+    """Lowered for CUDA on the host: the forward and both gradients are our custom calls, and no
+    ragged dot (XLA's dense expansion) is left."""
+    w = (4, 128, 64) if transpose_rhs else (4, 64, 128)
+
+    def step(a, b, s):
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, s, transpose_rhs=transpose_rhs,
+                                                       implementation="cuda"), a, b)
+        return out, vjp(out)
+
+    text = jax.jit(step).trace(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros(w, jnp.bfloat16),
+                               jnp.zeros((4,), jnp.int32)).lower(
+                                   lowering_platforms=("cuda",)).as_text()
+    for kind in ("fwd", "dgrad", "wgrad"):
+        assert f"jax_dsa_grouped_matmul_{kind}_cuda" in text
+    assert "ragged_dot" not in text
+
+
+def test_cuda_refuses_what_the_kernels_cannot_take():
+    from jax_dsa.ops.grouped_matmul import cuda
+    from jax_dsa.ops.grouped_matmul.config import Call
+
+    bf = jnp.dtype(jnp.bfloat16)
+    for call, match in [(Call(jnp.dtype(jnp.float32), 8, 64, 64, 2, bf), "bfloat16"),
+                        (Call(bf, 8, 100, 64, 2, bf), "multiples of 64"),
+                        (Call(bf, 8, 64, 64, 2000, bf), "1 to 1024 groups")]:
+        why = cuda.supported(call)
+        if why is not None and "not available" in why:
+            pytest.skip(why)
+        assert why is not None and match in why

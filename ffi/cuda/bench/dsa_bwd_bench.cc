@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/dsa_bwd_launch.h"
+#include "cuda/dsa_bwd/launch.h"
 
 // Per iteration: CUDA-event time and host wall time of launch + stream synchronisation.
 // Returns 0, or a CUDA error code (-1: no such variant, -2: a launch failed).

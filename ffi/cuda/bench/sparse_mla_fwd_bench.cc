@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/sparse_mla_fwd_launch.h"
+#include "cuda/sparse_mla_fwd/launch.h"
 
 // CUDA-event time of each of `iters` launches into ms_events. max_ctas > 0 caps the persistent
 // grid (tests use it to make each CTA walk many tiles). Returns 0, or a CUDA error code

@@ -14,7 +14,7 @@ class Call:
 
     Attributes:
       dtype: ``lhs``'s and ``rhs``'s dtype. m: rows. k: contracting width. n: output width.
-      groups: G, the number of groups (experts).
+      groups: G, the number of groups (experts). out_dtype: the result's dtype.
     """
 
     dtype: np.dtype
@@ -22,6 +22,7 @@ class Call:
     k: int
     n: int
     groups: int
+    out_dtype: np.dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsa.ops.checks import int32_slots
-from jax_dsa.ops.grouped_matmul import xla
+from jax_dsa.ops.grouped_matmul import cuda, xla
 from jax_dsa.ops.grouped_matmul.config import Call, Config
 from jax_dsa.ops.registry import Registry
 
 REGISTRY = Registry(
     "grouped_matmul",
-    (xla.IMPLEMENTATION,),
-    preference={"default": ("xla",)},
+    (xla.IMPLEMENTATION, cuda.IMPLEMENTATION),
+    preference={"gpu": ("cuda", "xla"), "default": ("xla",)},
 )
 
 
@@ -43,9 +43,10 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, implementation
         (the running sum is clipped to ``[0, M]``), so no implementation reads or writes out of
         bounds. Rows past the sizes' sum give zeros.
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
-        the call runs), or ``None`` (the platform's preference). ``"xla"``:
+        the call runs), or ``None`` (on a GPU ``("cuda", "xla")``, else ``"xla"``). ``"xla"``:
         ``jax.lax.ragged_dot``, any platform (XLA's GPU compiler expands it densely over the
-        groups: work and memory grow with ``G * M``).
+        groups: work and memory grow with ``G * M``). ``"cuda"``: jax_dsa's SM90 grouped-GEMM
+        kernels, compiled ahead of time; bfloat16, ``K`` and ``N`` multiples of 64, ``G <= 1024``.
       preferred_element_type: the result's dtype; default ``lhs``'s. Products accumulate in
         float32 (float64 for float64 inputs) whatever it is.
 
@@ -68,7 +69,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, implementation
     m, k = lhs.shape
     g, n = rhs.shape[0], rhs.shape[1 if transpose_rhs else 2]
     out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
-    impl = REGISTRY.choose(implementation, Call(jnp.dtype(lhs.dtype), m, k, n, g))
+    impl = REGISTRY.choose(implementation, Call(jnp.dtype(lhs.dtype), m, k, n, g, out_dtype))
     config = Config(impl, out_dtype, transpose_rhs)
     return _grouped_matmul(lhs, rhs, clamp_group_sizes(group_sizes, m), config)
 
