@@ -9,7 +9,7 @@ __all__ = ["sparse_mla", "dense_mla", "sparse_dense_mla", "indexer_topk", "index
            "v4_indexer_kl_loss", "visible_mask"]
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("configs", "interop", "nn", "ops", "sharding")
+_SUBPACKAGES = ("configs", "interop", "models", "nn", "ops", "sharding")
 
 
 def __getattr__(name):

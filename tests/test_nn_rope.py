@@ -1,7 +1,7 @@
 """Tests for jax_dsa.nn.rope against NumPy float64 formulas.
 
 The helpers here (``np_inv_freq``, ``np_rope``) are the independent oracle also used by
-tests/test_nn_attention.py and tests/test_nn_indexer.py.
+tests/test_models_glm_attention.py and tests/test_models_glm_indexer.py.
 """
 
 import math

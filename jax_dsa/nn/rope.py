@@ -21,7 +21,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa.configs import RopeParameters
+from jax_dsa.nn.rope_parameters import RopeParameters
 
 
 def inv_frequencies(rope_parameters: RopeParameters, dim: int) -> np.ndarray:
