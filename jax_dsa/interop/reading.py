@@ -141,6 +141,71 @@ def dequantize_fp8_block(reader: CheckpointReader, key: str, scale_key: str,
     return w * block_scales(read_scale, reader.shape(scale_key), shape, index, block, key)
 
 
+def _kind(dtype) -> str:
+    """``"float"``, ``"int"`` or ``"bool"`` of a safetensors dtype name or a NumPy dtype
+    (``ml_dtypes``' bfloat16 and FP8 are floats)."""
+    if isinstance(dtype, str):
+        return "bool" if dtype == "BOOL" else ("int" if dtype[:1] in ("I", "U") else "float")
+    return {"b": "bool", "i": "int", "u": "int"}.get(np.dtype(dtype).kind, "float")
+
+
+def file_of(reader, key: str) -> str:
+    """The file that holds ``key`` of a :class:`CheckpointReader` or of a reader that presents
+    other readers' tensors (DeepSeek V4's ``V4Checkpoint``), for errors."""
+    if hasattr(reader, "file_of"):
+        return reader.file_of(key)
+    inner, disk_keys = getattr(reader, "_reader", None), getattr(reader, "disk_keys", None)
+    if inner is not None and disk_keys is not None:
+        return inner.file_of(disk_keys(key)[0])
+    return getattr(reader, "path", "?")
+
+
+def _named(reader, key: str) -> str:
+    """``key`` and the file that holds it, with its on-disk name where the reader renames."""
+    disk = reader.disk_keys(key)[0] if hasattr(reader, "disk_keys") else key
+    return f"{key}{f' (stored as {disk})' if disk != key else ''} in {file_of(reader, key)}"
+
+
+def check_tensor_dtype(reader, key: str, want) -> None:
+    """Refuses to load a checkpoint tensor into a variable of another kind: an integer or bool
+    tensor (unscaled: a quantised weight's scale turns it into floats before this) into a float
+    parameter, or a float or bool tensor into an integer one (an index table).
+
+    Raises:
+      ValueError: naming the tensor, its file, its dtype and the dtype expected.
+    """
+    stored, want = reader.dtype(key), np.dtype(want)
+    got_kind, want_kind = _kind(stored), _kind(want)
+    if got_kind == want_kind:
+        return
+    name = getattr(stored, "name", stored)
+    if want_kind == "float":
+        raise ValueError(
+            f"load_hf: {_named(reader, key)} is {name} ({got_kind}); the model's parameter is "
+            f"{want.name}: integer and bool tensors are refused as float weights (a quantised "
+            "weight needs its scale tensor)")
+    raise ValueError(
+        f"load_hf: {_named(reader, key)} is {name} ({got_kind}); the model expects an "
+        f"{want_kind} tensor ({want.name})")
+
+
+def check_expert_ids(reader, key: str, n_experts: int) -> None:
+    """Refuses a hash-routing table (DeepSeek V4's ``tid2eid``: token -> expert ids) holding an
+    id outside ``[0, n_experts)``, which would route tokens to no expert (NaN logits).
+
+    Raises:
+      ValueError: naming the tensor, its file, the range and the first bad entry.
+    """
+    table = np.asarray(reader.read(key))
+    bad = (table < 0) | (table >= n_experts)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"load_hf: {_named(reader, key)} must hold expert ids in [0, {n_experts}) "
+            f"(n_routed_experts); {int(bad.sum())} entries do not, e.g. {table[where]} at "
+            f"{where} (min {table.min()}, max {table.max()})")
+
+
 def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
                mesh: Mesh | None, rules) -> tuple[nnx.State, set[str], list[str]]:
     """Read every variable of ``abs_state`` from ``source``.
@@ -160,7 +225,9 @@ def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
       out), the checkpoint keys read, and the keys the model needs that the checkpoint lacks.
 
     Raises:
-      ValueError: a checkpoint tensor whose shape is not the variable's.
+      ValueError: a checkpoint tensor whose shape is not the variable's, or an integer / bool
+        tensor for a float variable or a float one for an integer variable
+        (:func:`check_tensor_dtype`).
     """
     rules = tuple(current_rules() if rules is None else rules)
     single = SingleDeviceSharding(jax.devices()[0])
@@ -183,6 +250,7 @@ def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
                     f"load_hf: {k} has shape {source.shape(k)} in the checkpoint, the model "
                     f"expects {want}"
                 )
+            check_tensor_dtype(source.reader, k, dtype)
             consumed.update(source.consumed(k))
         if mesh is None:
             sharding = single
@@ -204,6 +272,6 @@ def fill_state(abs_state: nnx.State, source: CheckpointSource, key_of: Callable,
 
 
 __all__ = [
-    "DEFAULT_FP8_BLOCK", "SCALE_SUFFIX", "CheckpointSource", "block_scales", "dequantize_fp8_block",
-    "fill_state", "scale_values",
+    "DEFAULT_FP8_BLOCK", "SCALE_SUFFIX", "CheckpointSource", "block_scales", "check_expert_ids",
+    "check_tensor_dtype", "dequantize_fp8_block", "file_of", "fill_state", "scale_values",
 ]

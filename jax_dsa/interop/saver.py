@@ -11,18 +11,17 @@ being written is held in host memory.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 from flax import nnx
 
 from jax_dsa.interop.hf_config import config_to_hf
-from jax_dsa.interop.names import hf_key
 from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array
-from jax_dsa.interop.v4_lm import save_v4
-from jax_dsa.nn.model import DSALanguageModel
-from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
+from jax_dsa.models.deepseek_v4.checkpoint import save_v4
+from jax_dsa.models.deepseek_v4.model import DeepseekV4LanguageModel
+from jax_dsa.models.glm.hf_names import hf_key
+from jax_dsa.models.glm.model import DSALanguageModel
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
@@ -43,7 +42,9 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
         ``save_pretrained`` layout for ``DeepseekV4ForCausalLM``, its MTP depths, if any, under
         DeepSeek's release keys ``mtp.{k}.*``, which transformers skips and ``load_hf`` reads:
         :func:`jax_dsa.interop.v4_lm.save_v4`).
-      path: output directory (created; an earlier checkpoint there is replaced).
+      path: output directory (created; an earlier checkpoint there is replaced atomically: a
+        save interrupted at any moment, even by SIGKILL, leaves the old checkpoint or the new
+        one, whole, for :func:`jax_dsa.interop.load_hf`; ``docs/failure_behaviour.md``).
       max_shard_size: bytes per safetensors shard (int or ``"5GB"``-style string); more than one
         shard adds ``model.safetensors.index.json``.
 
@@ -76,19 +77,20 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
             "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
             "(transformers would tie them); set tie_word_embeddings=False in the config"
         )
-    os.makedirs(path, exist_ok=True)
     writer = CheckpointWriter(path, max_shard_size)
-    for p, var in flat:
-        key, stacked = hf_key(p)
-        if tied and key == "lm_head.weight":
-            continue
-        value = var.get_value()
-        if stacked:
-            for e in range(value.shape[0]):
-                writer.add(key.format(expert=e), host_array(value[e]))
-        else:
-            writer.add(key, host_array(value))
-    files = writer.finish()
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-    return files
+    try:
+        for p, var in flat:
+            key, stacked = hf_key(p)
+            if tied and key == "lm_head.weight":
+                continue
+            value = var.get_value()
+            if stacked:
+                for e in range(value.shape[0]):
+                    writer.add(key.format(expert=e), host_array(value[e]))
+            else:
+                writer.add(key, host_array(value))
+    except BaseException:
+        writer.abort()
+        raise
+    # config.json is committed with the weights: an interrupted save leaves the old pair whole.
+    return writer.finish(config=hf)
