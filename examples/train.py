@@ -32,7 +32,11 @@ What it does:
   context parallelism. Runs on several hosts too: call ``jax.distributed.initialize`` first
   (``tests/multihost_worker.py``); every process builds the same global batch.
 * Checkpoints (orbax): parameters, optimizer state, step and data position every
-  ``--save-every`` steps and at the end; ``--resume`` continues the run exactly.
+  ``--save-every`` steps and at the end; ``--resume`` continues the run exactly, from the newest
+  step that restores (a damaged newer step is skipped with a warning naming it, its path and the
+  reason, and moved aside to ``<step>.damaged``, never deleted). Without ``--resume`` a
+  ``--checkpoint-dir`` that holds steps is refused unless ``--overwrite`` deletes them. Errors
+  name the step and its path (``docs/failure_behaviour.md``).
 
 ``main(argv) -> dict`` runs it in-process and returns the metrics also written to
 ``--metrics-out``.
@@ -49,6 +53,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import text_data  # noqa: E402  (the example's sibling module)
 
 import jax_dsa.sharding as jax_dsa_sharding  # noqa: E402
+from jax_dsa.nn.experts import update_router_biases  # noqa: E402
 
 MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "cp", "tp"): mesh axes this example knows
 # Logical axis -> mesh axis. The model names every parameter dimension with a logical axis
@@ -149,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the top-k's scores from FP8 q and k (DeepSeek-V3.2's inference recipe: "
                         "e4m3 with power-of-two per-token scales); default: the compute dtype. "
                         "GLM-5 / DeepSeek V3.2 presets")
+    g.add_argument("--bias-update-rate", type=float, default=0.001,
+                   help="DeepSeek-V3's auxiliary-loss-free balancing: after each step, each MoE "
+                        "router's correction bias moves by this times sign(mean load - load) "
+                        "(the paper's gamma 0.001; 0 disables; not in --warmup-freeze's steps)")
     g.add_argument("--indexer-loss-coeff", type=float, default=1.0,
                    help="weight of the indexer KL loss in the total loss")
     g.add_argument("--fixed-batch", action="store_true",
@@ -176,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=_nonnegative_int, default=50,
                    help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir (if there is one)")
+                   help="continue from the newest step in --checkpoint-dir that restores (if there "
+                        "is one); damaged newer steps are moved aside to <step>.damaged")
+    g.add_argument("--overwrite", action="store_true",
+                   help="delete the steps an earlier run left in --checkpoint-dir and start anew "
+                        "(without it, or --resume, such a folder is refused)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show a tqdm progress bar")
     return p
@@ -187,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.overwrite and (args.resume or not args.checkpoint_dir):
+        parser.error("--overwrite needs --checkpoint-dir and excludes --resume")
     if args.stop_at_step is not None and args.stop_at_step > args.steps:
         parser.error(f"--stop-at-step ({args.stop_at_step}) must be <= --steps ({args.steps})")
     if args.lr <= 0 or not 0 <= args.end_lr_ratio <= 1:
@@ -308,7 +324,7 @@ def set_indexer_qk_dtype(model, qk_dtype) -> int:
     """Sets ``qk_dtype`` on every DSA lightning indexer of ``model`` (``--indexer-qk-dtype``);
     returns how many. Raises ValueError for a model without one (DeepSeek V4's indexer is not
     covered)."""
-    from jax_dsa.nn.indexer import Indexer
+    from jax_dsa.models.glm.indexer import Indexer
     from jax_dsa.ops.indexer.topk.op import check_qk_dtype
 
     count = 0
@@ -341,7 +357,17 @@ def _forward(graphdef, params, rest, batch, *, attention_mode, implementation):
                         segment_ids=batch["segment_ids"], attention_mode=attention_mode,
                         implementation=implementation)
     lm_loss = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    return lm_loss, aux["indexer_loss"].astype(jnp.float32)
+    return lm_loss, aux["indexer_loss"].astype(jnp.float32), aux.get("expert_load", ())
+
+
+def balance_router_biases(graphdef, params, rest, expert_load, rate):
+    """DeepSeek-V3's auxiliary-loss-free load balancing (arXiv:2412.19437 §2.1.2) after a step:
+    each MoE router's ``e_score_correction_bias += rate * sign(mean_load - load)``, from the
+    step's tokens per expert (``aux["expert_load"]``). The bias is a non-trainable ``Buffer`` in
+    ``rest``: no gradient, no optimizer. Returns the new ``rest``."""
+    model = nnx.merge(graphdef, params, rest)
+    update_router_biases(model, expert_load, rate)
+    return nnx.split(model, nnx.Param, ...)[2]
 
 
 class Steps:
@@ -381,7 +407,7 @@ class Steps:
                 return treedef.unflatten([next(it) if m else x for x, m in zip(leaves, trainable)])
 
             def loss_fn(train_leaves):
-                lm_loss, indexer_loss = forward(merged(train_leaves), rest, batch)
+                lm_loss, indexer_loss, _ = forward(merged(train_leaves), rest, batch)
                 return indexer_loss, lm_loss
 
             (indexer_loss, lm_loss), g = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -406,20 +432,22 @@ class Steps:
                     return frozen_train_step(params, rest, opt_state, batch, _forward)
 
                 def loss_fn(params):
-                    lm_loss, indexer_loss = _forward(params, rest, batch)
-                    return lm_loss + indexer_loss_coeff * indexer_loss, (lm_loss, indexer_loss)
+                    lm_loss, indexer_loss, load = _forward(params, rest, batch)
+                    return (lm_loss + indexer_loss_coeff * indexer_loss,
+                            (lm_loss, indexer_loss, load))
 
-                (total, (lm_loss, indexer_loss)), grads = jax.value_and_grad(
+                (total, (lm_loss, indexer_loss, load)), grads = jax.value_and_grad(
                     loss_fn, has_aux=True)(params)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
+                # expert_load: tokens per expert of each MoE layer (for the router bias update)
                 stats = {"loss": lm_loss, "indexer_loss": indexer_loss, "total_loss": total,
-                         "grad_norm": optax.tree.norm(grads)}
+                         "grad_norm": optax.tree.norm(grads), "expert_load": load}
                 return params, opt_state, stats
 
             def eval_step(params, rest, batch, _mode=mode, _forward=forward):
                 self.traces["eval"][_mode] += 1
-                lm_loss, indexer_loss = _forward(params, rest, batch)
+                lm_loss, indexer_loss, _ = _forward(params, rest, batch)
                 return {"loss": lm_loss, "indexer_loss": indexer_loss}
 
             self._train[mode] = jax.jit(
@@ -473,11 +501,98 @@ def attention_mode_at(step: int, dense_warmup_steps: int) -> str:
 # Checkpoints
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder or step this run cannot use; the message names the step(s) and
+    path(s)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint step that ``--resume`` skipped (named, with its path and the
+    reason)."""
+
+
 def _checkpoint_manager(directory) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
         pathlib.Path(directory).absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
         item_names=("state", "meta"))
+
+
+def _step_path(manager, step) -> pathlib.Path:
+    return pathlib.Path(manager.directory) / str(step)
+
+
+def _open_checkpoints(args) -> ocp.CheckpointManager | None:
+    """The checkpoint manager of ``--checkpoint-dir``; refuses a folder holding an earlier run's
+    steps unless ``--resume`` (continue it) or ``--overwrite`` (delete them) is given."""
+    if not args.checkpoint_dir:
+        return None
+    try:
+        manager = _checkpoint_manager(args.checkpoint_dir)
+    except Exception as e:
+        raise CheckpointError(f"--checkpoint-dir {pathlib.Path(args.checkpoint_dir).absolute()}: "
+                              f"cannot open it ({type(e).__name__}: {e})") from e
+    steps = sorted(manager.all_steps())
+    if steps and not args.resume:
+        where = pathlib.Path(manager.directory)
+        if not args.overwrite:
+            manager.close()
+            raise CheckpointError(
+                f"--checkpoint-dir {where} holds steps {steps} of an earlier run (e.g. "
+                f"{_step_path(manager, steps[-1])}); pass --resume to continue that run, or "
+                "--overwrite to delete them and start anew (or choose another folder)")
+        for step in steps:
+            manager.delete(step)
+        tqdm.write(f"--overwrite: deleted steps {steps} of an earlier run from {where}")
+    return manager
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _check_meta(meta, step):
+    """Raises ValueError unless ``meta`` is what :func:`_save` wrote for ``step``."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta is a {type(meta).__name__}, not an object")
+    missing = [k for k in ("step", "data_position", "settings", "history", "evals")
+               if k not in meta]
+    if missing:
+        raise ValueError(f"meta lacks {missing}")
+    if meta["step"] != step:
+        raise ValueError(f"meta says step {meta['step']!r}, the folder is step {step}")
+    if not isinstance(meta["data_position"], int) or meta["data_position"] < 0:
+        raise ValueError(f"meta has data_position {meta['data_position']!r}")
+    if not isinstance(meta["settings"], dict) or not isinstance(meta["evals"], list):
+        raise ValueError("meta's settings or evals have the wrong type")
+    history = meta["history"]
+    if (not isinstance(history, dict) or not all(isinstance(v, list) for v in history.values())
+            or len(history.get("train_loss", ())) != step):
+        raise ValueError(f"meta's history is not lists with {step} train_loss entries")
+
+
+class _quiet_closed_loops:
+    """For a ``with`` block, drops the ``RuntimeError: Event loop is closed`` that tensorstore's
+    threads report through ``sys.unraisablehook`` when orbax abandons a failed restore (a read
+    still in flight finds orbax's event loop closed): a screen of tracebacks otherwise. Other
+    unraisable exceptions go to the hook that was there."""
+
+    def __enter__(self):
+        self.previous = previous = sys.unraisablehook
+
+        def hook(unraisable):
+            exc = unraisable.exc_value
+            if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+                previous(unraisable)
+
+        self.hook = sys.unraisablehook = hook
+        return self
+
+    def __exit__(self, *exc):
+        if sys.unraisablehook is self.hook:
+            sys.unraisablehook = self.previous
 
 
 # Settings that must match for a resumed run to continue the same run.
@@ -495,13 +610,58 @@ def _save(manager, step, params, opt_state, meta):
     manager.wait_until_finished()
 
 
-def _restore(manager, params, opt_state):
-    step = manager.latest_step()
+def _restore(manager, params, opt_state, settings):
+    """``(params, opt_state, meta)`` of the newest step that restores. Damaged newer steps are
+    skipped with a :class:`CheckpointWarning` naming the step, its path and the reason, and moved
+    aside to ``<step>.damaged`` (so that this run can save that step again); nothing is deleted.
+
+    Raises:
+      CheckpointError: a step saved with other ``settings`` (step and path named), or no step
+        that restores (each one named with its path and reason).
+    """
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                             {"params": params, "opt_state": opt_state})
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    return restored["state"]["params"], restored["state"]["opt_state"], restored["meta"]
+    failed = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        path = _step_path(manager, step)
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = meta["meta"]
+            _check_meta(meta, step)
+        except Exception as e:
+            failed.append((step, path, "meta: " + _first_line(e)))
+            continue
+        mismatched = {k: (meta["settings"].get(k), v) for k, v in _jsonable(settings).items()
+                      if meta["settings"].get(k) != v}
+        if mismatched:
+            raise CheckpointError(
+                f"--resume: step {step} at {path} was saved with other settings (saved, now): "
+                f"{mismatched}; resume with the same settings, or start anew in another "
+                "--checkpoint-dir")
+        try:
+            state = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:
+            failed.append((step, path, "state: " + _first_line(e)))
+            continue
+        for bad_step, bad_path, reason in failed:
+            aside = bad_path.with_name(f"{bad_step}.damaged")
+            n = 1
+            while aside.exists():
+                aside, n = bad_path.with_name(f"{bad_step}.damaged-{n}"), n + 1
+            bad_path.rename(aside)
+            warnings.warn(CheckpointWarning(
+                f"--resume: skipped step {bad_step} at {bad_path}: it does not restore "
+                f"({reason}); moved it to {aside} (not deleted); resuming from step {step}"),
+                stacklevel=3)
+        if failed:
+            manager.reload()
+        return state["params"], state["opt_state"], meta
+    raise CheckpointError(
+        f"--resume: no step in {manager.directory} restores: "
+        + "; ".join(f"step {s} at {p}: {r}" for s, p, r in failed)
+        + " (nothing was moved or deleted; start anew with --overwrite, or in another "
+        "--checkpoint-dir)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,11 +703,20 @@ def main(argv=None) -> dict:
     """
     t_start = time.perf_counter()
     args = parse_args(argv)
+    manager = _open_checkpoints(args)  # refuses an earlier run's steps before any work
+    with _quiet_closed_loops():
+        try:
+            return _run(args, manager, t_start)
+        finally:
+            if manager is not None:
+                manager.close()
 
+
+def _run(args, manager, t_start) -> dict:
     from jax_dsa.configs import get_config  # the model package, imported when needed
-    from jax_dsa.configs.v4 import DeepseekV4Config
+    from jax_dsa.models.deepseek_v4.config import DeepseekV4Config
+    from jax_dsa.models.deepseek_v4.model import DeepseekV4LanguageModel
     from jax_dsa.nn import DSALanguageModel
-    from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
     config = get_config(args.model)
     vocab_size = getattr(config, "vocab_size", None)
@@ -594,6 +763,8 @@ def main(argv=None) -> dict:
                       indexer_loss_coeff=args.indexer_loss_coeff, param_sharding=param_sharding,
                       batch_sharding=batch_sharding, warmup_freeze=args.warmup_freeze)
     traces_at_start = {kind: dict(v) for kind, v in steps.traces.items()}
+    balance = jax.jit(functools.partial(balance_router_biases, graphdef),
+                      out_shardings=NamedSharding(mesh, P()))
     schedule = steps.schedule
     opt_state = steps.init_opt_state(params)
 
@@ -601,15 +772,9 @@ def main(argv=None) -> dict:
                                "attention_mode")}
     evals: list[dict] = []
     start_step, data_position, resumed_from = 0, 0, None
-    manager = _checkpoint_manager(args.checkpoint_dir) if args.checkpoint_dir else None
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
-    if args.resume and manager.latest_step() is not None:
-        params, opt_state, meta = _restore(manager, params, opt_state)
-        mismatched = {k: (meta["settings"].get(k), v) for k, v in _jsonable(settings).items()
-                      if meta["settings"].get(k) != v}
-        if mismatched:
-            raise ValueError(f"--resume: settings differ from the checkpoint's (saved, now): "
-                             f"{mismatched}")
+    if args.resume and manager.all_steps():
+        params, opt_state, meta = _restore(manager, params, opt_state, settings)
         start_step, data_position = meta["step"], meta["data_position"]
         history, evals, resumed_from = meta["history"], meta["evals"], start_step
     elif args.resume:
@@ -647,6 +812,8 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             params, opt_state, stats = steps.train(mode, params, rest, opt_state, batch)
             stats = jax.device_get(stats)
+            if args.bias_update_rate and stats.get("expert_load"):  # frozen steps have none
+                rest = balance(params, rest, stats["expert_load"], args.bias_update_rate)
             dt = time.perf_counter() - t0
             loop_s += dt
             if steps.traces["train"][mode] == traces_before:  # did not compile
@@ -682,7 +849,6 @@ def main(argv=None) -> dict:
             if manager.latest_step() != done:
                 save(done)
             manager.wait_until_finished()
-            manager.close()
 
     device = jax.devices()[0]
     losses = history["train_loss"]
@@ -737,7 +903,15 @@ def _cli():
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    m = main(sys.argv[1:])
+    _quiet_closed_loops().__enter__()  # for the life of the process, main's return included
+    try:
+        m = main(sys.argv[1:])
+    except CheckpointError as e:  # the message names the step(s) and path(s): no traceback
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Straight out (the checkpoint manager is closed): a failed restore's reads may still be
+        # in flight, and interpreter shutdown would print their tracebacks to the raw stderr.
+        os._exit(2)
     summary = {k: m[k] for k in ("steps", "initial_loss", "final_loss", "final_eval_loss",
                                  "tokens_per_s", "wall_time_s")}
     print(json.dumps(summary))

@@ -108,7 +108,8 @@ class DeepseekV4LanguageModel(nnx.Module):
           segment_ids: optional ``[B, S]`` document ids of packed rows.
           attention_mode: ``"sparse"`` (CSA layers use the indexer's top-k) or ``"dense"`` (CSA
             layers attend to every visible compressed entry: the indexer's warm-up).
-          implementation: passed to every DSA op of every layer (``None``: each op's default order).
+          implementation: passed to every DSA op of every layer and to the MoE layers' grouped
+            matmuls (``None``: each op's default order).
           compute_indexer_loss: compute the CSA layers' indexer KL losses.
           return_indices: also return each layer's slot lists (``aux["indices"]``) and lengths
             (``aux["topk_length"]``).
@@ -119,6 +120,10 @@ class DeepseekV4LanguageModel(nnx.Module):
           indexers' parameters; the logits' gradients never do. With MTP layers,
           ``aux["mtp_logits"]`` is a tuple of ``[B, S, vocab_size]`` float32, depth ``k``'s row
           ``i`` predicting token ``i + k + 1`` (no target for the last ``k + 1`` positions).
+          ``aux["expert_load"]``: a tuple with one ``[n_routed_experts]`` int32 per MoE block
+          (every layer, then each MTP depth): the tokens each expert received, for
+          :func:`jax_dsa.nn.experts.update_router_biases` (matching
+          :func:`jax_dsa.nn.experts.moe_blocks`).
 
         Raises:
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
@@ -132,7 +137,7 @@ class DeepseekV4LanguageModel(nnx.Module):
         streams = constrain(
             jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], c.hc_mult, x.shape[-1])),
             STREAM_AXES)
-        losses, all_indices, all_lengths = [], [], []
+        losses, all_indices, all_lengths, loads = [], [], [], []
         for layer in self.layers:
             streams, aux = layer(
                 streams, input_ids, positions, segment_ids, attention_mode=attention_mode,
@@ -142,6 +147,7 @@ class DeepseekV4LanguageModel(nnx.Module):
                 losses.append(aux["indexer_loss"])
             all_indices.append(aux["indices"])
             all_lengths.append(aux["topk_length"])
+            loads.append(aux["expert_load"])
         x = constrain(self.norm(self.hc_head(streams)), ("batch", "sequence", "embed"))
         logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
         mtp_logits = []
@@ -154,8 +160,9 @@ class DeepseekV4LanguageModel(nnx.Module):
             )
             mtp_logits.append(constrain(self.lm_head(h).astype(jnp.float32),
                                         ("batch", "sequence", "vocab")))
+            loads.append(aux["expert_load"])
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
-        out_aux = {"indexer_loss": indexer_loss}
+        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads)}
         if self.mtp is not None:
             out_aux["mtp_logits"] = tuple(mtp_logits)
         if return_indices:

@@ -198,16 +198,18 @@ class DeepseekV4MoE(nnx.Module):
         self.experts = V4Experts(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.shared_experts = V4MLP(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, input_ids=None):
+    def __call__(self, x, input_ids=None, *, implementation=None, return_load=False):
         """``x [..., hidden_size]``, ``input_ids`` of shape ``x.shape[:-1]`` (needed by hash
-        layers) -> ``[..., hidden_size]`` in the compute dtype."""
+        layers) -> ``[..., hidden_size]`` in the compute dtype; ``(out, load [n_routed_experts]
+        int32)`` (tokens per expert) with ``return_load``. ``implementation``: for the experts'
+        grouped matmuls (``None``: the op's default order)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids = None if input_ids is None else input_ids.reshape(-1)
         w, idx = self.gate(flat, ids)
-        out = self.experts(flat, w, idx) + self.shared_experts(flat)
-        return out.reshape(shape)
-
+        y, load = self.experts(flat, w, idx, implementation=implementation, return_load=True)
+        out = (y + self.shared_experts(flat)).reshape(shape)
+        return (out, load) if return_load else out
 
 __all__ = [
     "DeepseekV4MoE", "HashRouter", "TopkRouter", "V4Experts", "V4MLP", "default_tid2eid", "score",

@@ -9,8 +9,10 @@ Hub (zai-org/GLM-5, zai-org/GLM-5.2, deepseek-ai/DeepSeek-V3.2-Exp).
 
 The language model in :mod:`jax_dsa.nn` uses the MoE block of :mod:`jax_dsa.models.glm.moe` on the
 layers that ``mlp_layer_types`` marks ``"sparse"`` and a dense SwiGLU MLP on the others; with
-``mlp_layer_types=None`` (the presets) every layer is dense. :meth:`DSAConfig.from_hf_dict` fills
-``mlp_layer_types`` as transformers does (``first_k_dense_replace`` dense layers, then MoE).
+``mlp_layer_types=None`` every layer is dense. :meth:`DSAConfig.from_hf_dict` fills
+``mlp_layer_types`` as transformers does (``first_k_dense_replace`` dense layers, then MoE,
+:func:`moe_layer_schedule`), and so do the full-size presets (``glm5``, ``glm5.2``,
+``deepseek-v3.2``: 3 dense layers, then 256-expert MoE); the tiny ones stay dense.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def indexer_schedule(
     return tuple(
         "full" if max(i + 1 - offset, 0) % freq == 0 else "shared" for i in range(num_hidden_layers)
     )
+
+
+def moe_layer_schedule(num_hidden_layers: int, first_k_dense_replace: int) -> tuple[str, ...]:
+    """transformers' ``mlp_layer_types`` default (``GlmMoeDsaConfig`` / ``DeepseekV32Config``):
+    the first ``first_k_dense_replace`` layers ``"dense"``, the rest ``"sparse"`` (MoE)."""
+    n_dense = min(max(int(first_k_dense_replace), 0), num_hidden_layers)
+    return ("dense",) * n_dense + ("sparse",) * (num_hidden_layers - n_dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +274,9 @@ class DSAConfig:
             kw["indexer_types"] = tuple(d["indexer_types"])
         if d.get("mlp_layer_types") is None:
             n_dense = d.get("first_k_dense_replace")
-            n_layers = kw.get("num_hidden_layers", cls.num_hidden_layers)
-            n_dense = min(cls.first_k_dense_replace if n_dense is None else n_dense, n_layers)
-            kw["mlp_layer_types"] = ("dense",) * n_dense + ("sparse",) * (n_layers - n_dense)
+            kw["mlp_layer_types"] = moe_layer_schedule(
+                kw.get("num_hidden_layers", cls.num_hidden_layers),
+                cls.first_k_dense_replace if n_dense is None else n_dense)
         if d.get("rope_interleave") is None:
             kw.pop("rope_interleave", None)
         if d.get("indexer_rope_interleave") is None:
@@ -299,6 +308,7 @@ _GLM5 = DSAConfig(
     index_n_heads=32,
     index_head_dim=128,
     indexer_rope_interleave=True,
+    mlp_layer_types=moe_layer_schedule(78, 3),
     first_k_dense_replace=3,
     moe_intermediate_size=2048,
     n_routed_experts=256,
@@ -349,6 +359,7 @@ _DEEPSEEK_V32 = DSAConfig(
     index_n_heads=64,
     index_head_dim=128,
     indexer_rope_interleave=False,
+    mlp_layer_types=moe_layer_schedule(61, 3),
     first_k_dense_replace=3,
     moe_intermediate_size=2048,
     n_routed_experts=256,
@@ -360,8 +371,10 @@ _DEEPSEEK_V32 = DSAConfig(
     num_nextn_predict_layers=1,
 )
 
-# Tiny, byte-level versions for CPU tests and the training example (same structure, same flags).
+# Tiny, byte-level versions for CPU tests and the training example (same attention structure,
+# same flags; every layer a dense MLP: mlp_layer_types=None).
 _TINY = dict(
+    mlp_layer_types=None,
     vocab_size=256,
     hidden_size=128,
     intermediate_size=320,
@@ -459,7 +472,8 @@ def get_glm_config(name: str, **overrides: Any) -> DSAConfig:
     """The preset ``name`` (one of :data:`PRESET_NAMES`), with optional field overrides.
 
     Overriding ``num_hidden_layers`` without ``indexer_types`` re-derives the IndexShare schedule
-    for the new depth.
+    for the new depth; without ``mlp_layer_types``, a preset with MoE layers gets
+    :func:`moe_layer_schedule` for the new depth (an all-dense one stays dense).
 
     Raises:
       KeyError: an unknown preset name (the message lists the known ones).
@@ -471,6 +485,11 @@ def get_glm_config(name: str, **overrides: Any) -> DSAConfig:
     if overrides:
         if "num_hidden_layers" in overrides and "indexer_types" not in overrides:
             overrides["indexer_types"] = None  # re-derive the schedule for the new depth
+        if ("num_hidden_layers" in overrides and "mlp_layer_types" not in overrides
+                and config.mlp_layer_types is not None):
+            overrides["mlp_layer_types"] = moe_layer_schedule(
+                overrides["num_hidden_layers"],
+                overrides.get("first_k_dense_replace", config.first_k_dense_replace))
         config = dataclasses.replace(config, **overrides)
     return config
 
@@ -483,4 +502,5 @@ __all__ = [
     "PRESET_NAMES",
     "get_glm_config",
     "indexer_schedule",
+    "moe_layer_schedule",
 ]

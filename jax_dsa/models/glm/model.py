@@ -67,12 +67,22 @@ class DecoderLayer(nnx.Module):
             )
 
     def __call__(self, x, positions, segment_ids, **attn_kwargs):
-        """``x [B, S, hidden]`` -> ``(x [B, S, hidden], attention aux)``; see
-        :meth:`jax_dsa.models.glm.attention.DSAAttention.__call__` for the keyword arguments."""
+        """``x [B, S, hidden]`` -> ``(x [B, S, hidden], aux)``: the attention's aux plus
+        ``aux["expert_load"]``, the MoE block's tokens per expert (``[n_routed_experts]``
+        int32; ``None`` on a dense layer). See
+        :meth:`jax_dsa.models.glm.attention.DSAAttention.__call__` for the keyword arguments;
+        ``implementation`` also reaches the experts' grouped matmuls."""
         a, aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, **attn_kwargs)
         x = x + a.astype(x.dtype)
-        x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
-        return x, aux
+        h = self.post_attention_layernorm(x)
+        load = None
+        if isinstance(self.mlp, MoE):
+            m, load = self.mlp(h, implementation=attn_kwargs.get("implementation"),
+                               return_load=True)
+        else:
+            m = self.mlp(h)
+        x = x + m.astype(x.dtype)
+        return x, {**aux, "expert_load": load}
 
 
 class DSALanguageModel(nnx.Module):
@@ -109,7 +119,8 @@ class DSALanguageModel(nnx.Module):
           segment_ids: ``[B, S]`` integer document ids for packed rows (default: one document).
           attention_mode: ``"sparse"`` (indexer top-k; ``"shared"`` layers reuse the previous
             full layer's) or ``"dense"`` (every visible key: the dense warm-up stage).
-          implementation: passed to every DSA op of every layer (``None``: each op's default order).
+          implementation: passed to every DSA op of every layer and to the MoE layers' grouped
+            matmuls (``None``: each op's default order).
           compute_indexer_loss: compute the per-layer indexer KL losses.
           return_indices: also return each layer's slot lists in ``aux["indices"]`` (``None``
             per layer in dense mode, which builds none).
@@ -118,6 +129,10 @@ class DSALanguageModel(nnx.Module):
           ``(logits [B, S, vocab_size] float32, aux)``; ``aux["indexer_loss"]`` is the float32
           mean of the KL losses of the layers that own an indexer (0 when not computed). Its
           gradients reach only indexer parameters; the logits' gradients never do.
+          ``aux["expert_load"]``: a tuple with one ``[n_routed_experts]`` int32 per MoE layer, in
+          layer order (empty for an all-dense model): the tokens each expert received, for
+          :func:`jax_dsa.nn.experts.update_router_biases` (matching
+          :func:`jax_dsa.nn.experts.moe_blocks`).
 
         Raises:
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
@@ -130,7 +145,7 @@ class DSALanguageModel(nnx.Module):
 
         x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
         shared = None
-        losses, all_indices = [], []
+        losses, all_indices, loads = [], [], []
         for i, layer in enumerate(self.layers):
             full = c.has_indexer(i)
             # dense mode: every layer attends to every visible key (dense_mla), no slot list
@@ -145,10 +160,12 @@ class DSALanguageModel(nnx.Module):
             if aux["indexer_loss"] is not None:
                 losses.append(aux["indexer_loss"])
             all_indices.append(aux["indices"])
+            if aux["expert_load"] is not None:
+                loads.append(aux["expert_load"])
         x = self.norm(x)
         logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
-        out_aux = {"indexer_loss": indexer_loss}
+        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads)}
         if return_indices:
             out_aux["indices"] = tuple(all_indices)
         return logits, out_aux

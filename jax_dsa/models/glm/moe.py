@@ -20,9 +20,10 @@ with ``expert_e(x) = down_proj[e] @ (silu(gate_proj[e] @ x) * up_proj[e] @ x)`` 
 
 The routed experts run "dropless" (:class:`jax_dsa.nn.experts.Experts`, shared with DeepSeek
 V4): the (token, expert) pairs are sorted by expert and pushed through
-:func:`jax.lax.ragged_dot`, so the cost is that of the chosen experts only and no token is ever
-dropped. No load-balancing loss and no update rule for the correction bias are applied here (the
-bias is a non-trainable :class:`~jax_dsa.nn.experts.Buffer`).
+:func:`jax_dsa.ops.grouped_matmul`, so the cost is that of the chosen experts only and no token is
+ever dropped. There is no load-balancing loss; the correction bias (a non-trainable
+:class:`~jax_dsa.nn.experts.Buffer`) moves by DeepSeek-V3's auxiliary-loss-free rule outside the
+gradient (:func:`jax_dsa.nn.experts.update_router_biases`, from the loads the block returns).
 """
 
 from __future__ import annotations
@@ -117,10 +118,17 @@ class MoE(nnx.Module):
             param_dtype=param_dtype, init_std=c.initializer_range,
         )
 
-    def __call__(self, x):
-        """``x [..., hidden_size]`` -> ``[..., hidden_size]`` in the compute dtype."""
+    def __call__(self, x, *, implementation=None, return_load=False):
+        """``x [..., hidden_size]`` -> ``[..., hidden_size]`` in the compute dtype.
+
+        ``implementation``: for the experts' grouped matmuls
+        (:meth:`~jax_dsa.nn.experts.Experts.__call__`; ``None``: the op's default order).
+        ``return_load``: return ``(out, load)`` with ``load [n_routed_experts]`` int32 the tokens
+        each expert received (what DeepSeek-V3's bias update balances,
+        :func:`jax_dsa.nn.experts.update_router_biases`)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat)
-        out = self.experts(flat, w, idx) + self.shared_experts(flat)
-        return out.reshape(shape)
+        y, load = self.experts(flat, w, idx, implementation=implementation, return_load=True)
+        out = (y + self.shared_experts(flat)).reshape(shape)
+        return (out, load) if return_load else out
