@@ -515,7 +515,7 @@ def _checkpoint_manager(directory) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
         pathlib.Path(directory).absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
-        item_names=("state", "meta"))
+        item_names=("state", "rest", "meta"))
 
 
 def _step_path(manager, step) -> pathlib.Path:
@@ -602,16 +602,21 @@ _RESUME_KEYS = ("model", "seq_len", "batch", "seed", "corpus_mb", "heldout_fract
                 "warmup_freeze")
 
 
-def _save(manager, step, params, opt_state, meta):
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        meta=ocp.args.JsonSave(meta)), force=True)
+def _save(manager, step, params, opt_state, rest, meta):
+    # ``rest``: the model's non-trainable state (the routers' correction biases, which the
+    # balance step updates), a separate item so that steps saved before it existed still restore.
+    items = {"state": ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+             "meta": ocp.args.JsonSave(meta)}
+    if jax.tree.leaves(rest):
+        items["rest"] = ocp.args.StandardSave(nnx.to_pure_dict(rest))
+    manager.save(step, args=ocp.args.Composite(**items), force=True)
     # The next train step donates these buffers: let the save finish reading them first.
     manager.wait_until_finished()
 
 
-def _restore(manager, params, opt_state, settings):
-    """``(params, opt_state, meta)`` of the newest step that restores. Damaged newer steps are
+def _restore(manager, params, opt_state, rest, settings):
+    """``(params, opt_state, rest, meta)`` of the newest step that restores (``rest`` as given
+    where the step predates its saving). Damaged newer steps are
     skipped with a :class:`CheckpointWarning` naming the step, its path and the reason, and moved
     aside to ``<step>.damaged`` (so that this run can save that step again); nothing is deleted.
 
@@ -644,6 +649,14 @@ def _restore(manager, params, opt_state, settings):
         except Exception as e:
             failed.append((step, path, "state: " + _first_line(e)))
             continue
+        if (path / "rest").exists() and jax.tree.leaves(rest):
+            try:
+                saved = manager.restore(step, args=ocp.args.Composite(rest=ocp.args.StandardRestore(
+                    jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(rest)))))["rest"]
+            except Exception as e:
+                failed.append((step, path, "rest: " + _first_line(e)))
+                continue
+            nnx.replace_by_pure_dict(rest, saved)
         for bad_step, bad_path, reason in failed:
             aside = bad_path.with_name(f"{bad_step}.damaged")
             n = 1
@@ -656,7 +669,7 @@ def _restore(manager, params, opt_state, settings):
                 stacklevel=3)
         if failed:
             manager.reload()
-        return state["params"], state["opt_state"], meta
+        return state["params"], state["opt_state"], rest, meta
     raise CheckpointError(
         f"--resume: no step in {manager.directory} restores: "
         + "; ".join(f"step {s} at {p}: {r}" for s, p, r in failed)
@@ -774,7 +787,7 @@ def _run(args, manager, t_start) -> dict:
     start_step, data_position, resumed_from = 0, 0, None
     settings = {k: getattr(args, k) for k in _RESUME_KEYS}
     if args.resume and manager.all_steps():
-        params, opt_state, meta = _restore(manager, params, opt_state, settings)
+        params, opt_state, rest, meta = _restore(manager, params, opt_state, rest, settings)
         start_step, data_position = meta["step"], meta["data_position"]
         history, evals, resumed_from = meta["history"], meta["evals"], start_step
     elif args.resume:
@@ -784,7 +797,7 @@ def _run(args, manager, t_start) -> dict:
     def save(step):
         meta = {"step": step, "data_position": data_position, "settings": _jsonable(settings),
                 "history": history, "evals": evals}
-        _save(manager, step, params, opt_state, meta)
+        _save(manager, step, params, opt_state, rest, meta)
 
     def evaluate(step, mode):
         stats = [jax.device_get(steps.eval(mode, params, rest,
