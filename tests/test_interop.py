@@ -24,10 +24,10 @@ from jax_dsa.interop import (
     load_hf_attention,
     save_hf,
 )
-from jax_dsa.interop.names import hf_key, is_ignored_key, layer_of
 from jax_dsa.interop.safetensors_io import CheckpointReader, CheckpointWriter, parse_size
+from jax_dsa.models.glm.hf_names import hf_key, is_ignored_key, layer_of
 from jax_dsa.nn import DSALanguageModel
-from jax_dsa.nn.moe import Buffer
+from jax_dsa.nn.experts import Buffer
 
 TINY = dict(
     model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=48,

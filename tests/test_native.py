@@ -1,6 +1,6 @@
 """The compiled FFI modules: loading, registration, the host handlers' batching and errors.
 
-The numerics of implementation="cpu" against the float64 oracle are in tests/test_sparse_mla.py
+The numerics of implementation="cpu" against the float64 oracle are in tests/test_ops_sparse_mla.py
 (every oracle test there runs once per host implementation).
 """
 

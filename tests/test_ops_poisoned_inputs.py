@@ -293,17 +293,6 @@ def test_wide_positions_are_refused_not_wrapped():
 # --------------------------------------------------------------------------------------------
 # "cuda" (SM90), GLM-5 widths: the same convention in the kernels and their glue
 
-
-def _sm90_error():
-    from jax_dsa.ops.registry import sm90_device_error
-
-    return sm90_device_error()
-
-
-requires_cuda = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or "cuda" not in _native.available()
-    or _sm90_error() is not None,
-    reason="needs the CUDA module and an SM90 GPU")
 GLM5_SCALE = 1 / 16
 
 
@@ -339,7 +328,6 @@ def _check_bf16(ref, got, reads, strict=True):
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 @pytest.mark.parametrize("where", ["selected", "unselected"])
 @pytest.mark.gpu
-@requires_cuda
 def test_sparse_mla_cuda_poisoned_key(poison, where):
     rng = np.random.default_rng(10)
     s_q, s_kv, h, d, d_v, k = 8, 96, 64, 576, 512, 64
@@ -369,7 +357,6 @@ def test_sparse_mla_cuda_poisoned_key(poison, where):
 
 @pytest.mark.parametrize("case", sorted(DENSE_CASES))
 @pytest.mark.gpu
-@requires_cuda
 def test_dense_mla_cuda_invisible_poison_never_reaches(case):
     pos, seg, bad, poison = DENSE_CASES[case]
     rng = np.random.default_rng(11)

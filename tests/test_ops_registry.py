@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from jax_dsa import _native, sparse_mla
-from jax_dsa.nn.attention import DSAAttention
-from jax_dsa.nn.model import DSALanguageModel
+from jax_dsa.models.glm.attention import DSAAttention
+from jax_dsa.models.glm.model import DSALanguageModel
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 from jax_dsa.ops.indexer import indexer_kl_loss, indexer_topk
 from jax_dsa.ops.registry import (
@@ -20,7 +20,7 @@ from jax_dsa.ops.registry import (
     native_unavailable,
 )
 from jax_dsa.ops.sparse_mla.config import Call
-from test_nn_attention import small_config
+from test_models_glm_attention import small_config
 
 # ------------------------------------------------------------------------------------------
 # The registry on toy implementations. A call is a dict; each implementation refuses the calls
@@ -270,7 +270,7 @@ def abstract_split(make):
 
 def random_state(state, seed):
     """O(1)-effect random parameters from NumPy (norm weights near 1), as tests/
-    test_nn_attention.py's ``randomize``, without running the initialisers."""
+    test_models_glm_attention.py's ``randomize``, without running the initialisers."""
     rng = np.random.default_rng(seed)
 
     def leaf(s):

@@ -8,6 +8,7 @@ per-step losses must agree (the programs are the same; only the collectives' tra
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import socket
@@ -18,13 +19,23 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import train
-
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TIMEOUT_S = 300
 TRAIN_ARGS = ["--model", "glm5-tiny", "--steps", "5", "--dense-warmup-steps", "0",
               "--batch", "4", "--seq-len", "128", "--corpus-mb", "0.25", "--eval-batches", "1",
               "--eval-every", "0", "--no-progress", "--mesh", "dp=2,cp=2,tp=2"]
+
+
+def _load_train():
+    """examples/train.py as a module (the one the training tests loaded, if they did)."""
+    name = "jax_dsa_example_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def free_port() -> int:
@@ -46,7 +57,7 @@ def test_two_processes_equal_one(tmp_path):
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     try:
         # The reference runs meanwhile, in this process.
-        want = train.main(TRAIN_ARGS)
+        want = _load_train().main(TRAIN_ARGS)
         for p in procs:
             p.wait(timeout=TIMEOUT_S)
     finally:

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_dsa.sharding import DEFAULT_RULES, axis_rules, constrain, current_rules, logical_to_spec
 from jax_dsa.sharding.constraints import check_split, explicit_axes, out_spec, typed_spec
-from test_sharding import make_mesh
+from meshes import make_mesh
 
 
 def test_default_rules_map_the_model_axes():

@@ -22,7 +22,7 @@ from jax_dsa.sharding import (
     work_per_shard,
     zigzag_permutation,
 )
-from test_sharding import assert_close, make_mesh
+from meshes import assert_close, make_mesh
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

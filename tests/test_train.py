@@ -342,9 +342,9 @@ def test_indexer_qk_dtype_reaches_every_indexer():
     from flax import nnx
 
     from jax_dsa.configs import get_config
+    from jax_dsa.models.deepseek_v4.model import DeepseekV4LanguageModel
+    from jax_dsa.models.glm.indexer import Indexer
     from jax_dsa.nn import DSALanguageModel
-    from jax_dsa.nn.indexer import Indexer
-    from jax_dsa.nn.v4_model import DeepseekV4LanguageModel
 
     args = train.parse_args(COMMON + ["--indexer-qk-dtype", "float8_e4m3fn"])
     assert args.indexer_qk_dtype == "float8_e4m3fn"

@@ -1,5 +1,5 @@
 """A transformers ``save_pretrained`` DeepSeek V4 checkpoint and its reference attention outputs,
-for tests/test_interop_v4_layouts.py.
+for tests/test_models_deepseek_v4_checkpoint_layouts.py.
 
 Runs under the Hugging Face interpreter (Python 3.11, torch CPU, transformers 5.24), not under
 jax_dsa's. Builds ``DeepseekV4ForCausalLM(DeepseekV4Config(**spec["hf_config"]))`` with every

@@ -56,6 +56,8 @@ template <typename A>
 inline A LogAddExp(A a, A b) {
   if (a == -std::numeric_limits<A>::infinity()) return b;
   if (b == -std::numeric_limits<A>::infinity()) return a;
+  if (a == std::numeric_limits<A>::infinity() || b == std::numeric_limits<A>::infinity())
+    return std::numeric_limits<A>::infinity();  // a sink of +inf: no probability left
   A m = std::max(a, b);
   return m + std::log(std::exp(a - m) + std::exp(b - m));
 }

@@ -109,31 +109,6 @@ def cuda_dense_forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_sca
     return (out.reshape(nb, s_q, hp, d_v)[:, :, :h], lse.reshape(nb, s_q, hp)[:, :, :h])
 
 
-DENSE_TARGET_TARGET = "jax_dsa_dense_mla_target_cuda"
-
-
-def cuda_dense_target(q, kv, q_pos, kv_pos, q_seg, kv_seg, lse, *, sm_scale):
-    """The indexer loss's dense target from the kernel's target mode on contiguous runs:
-    ``(mass [B, S_q, S_kv] float32, perm [B, S_kv])`` with ``mass[b, t, j] = sum_h exp(sm_scale *
-    q[b, t, h] . kv[b, perm[b, lo_t + j]] - lse[b, t, h])`` for ``j < count_t`` (the query's
-    visible keys in sorted order, see :func:`dense_runs`) and 0 past them. ``lse [B, S_q, H]``:
-    the attention's natural-log denominators (+inf for a head without keys). An ``[S_q, S_kv]``
-    result: call it on bounded chunks of query rows."""
-    nb, s_q, h, d_qk = q.shape
-    s_kv = kv.shape[1]
-    kv_rows, runs, count, perm = _runs_operands(kv, q_pos, kv_pos, q_seg, kv_seg)
-    q, lse, hp = pad_heads(q, lse, jnp.inf)
-    t, groups = nb * s_q, hp // 64
-    call = jax.ffi.ffi_call(DENSE_TARGET_TARGET,
-                            jax.ShapeDtypeStruct((t * groups, s_kv), jnp.float32),
-                            vmap_method="sequential")
-    mass = call(q.reshape(t, hp, d_qk), kv_rows, runs, count.reshape(t), lse.reshape(t, hp),
-                sm_scale=np.float32(sm_scale))
-    mass = jnp.sum(mass.reshape(nb, s_q, groups, s_kv), axis=2)
-    live = jnp.arange(s_kv, dtype=jnp.int32) < count[..., None]  # columns past a run: unwritten
-    return jnp.where(live, mass, 0), perm
-
-
 BWD_CHUNK = 8192  # key columns per backward kernel call (its wide variant past 2048)
 
 
@@ -147,7 +122,7 @@ def cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse
     f32, bf = jnp.float32, jnp.bfloat16
     perm, lo, count = dense_runs(q_pos, kv_pos, q_seg, kv_seg)
     sink, lse = attn_sink.astype(f32), lse.astype(f32)
-    has_key = jnp.isfinite(lse)
+    has_key = lse != jnp.inf  # NaN (a poisoned row) is not empty
     lse_full = jnp.where(has_key, jnp.logaddexp(lse, sink), jnp.inf)
     delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1)  # rowsum(dout * out)
     # exp(sink - lse_full) as a sigmoid: finite (1) for a sink of +inf.
@@ -182,30 +157,6 @@ def cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse
     init = (jnp.zeros((t, hp, d_qk), f32), jnp.zeros((nb * s_kv, d_qk), f32))
     (dq, dkv), _ = jax.lax.scan(body, init, jnp.arange(-(-s_kv // width), dtype=jnp.int32))
     return (dq.reshape(nb, s_q, hp, d_qk)[:, :, :h], dkv.reshape(nb, s_kv, d_qk), d_sink)
-
-
-def reference_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
-    """:func:`jax_dsa.ops.sparse_mla.cuda.cuda_backward_rows`'s contract in pure JAX, in float32
-    (gathers ``[T, Kb, D_qk]``: small shapes only; for tests)."""
-    f32 = jnp.float32
-    d_v = out.shape[-1]
-    valid = (rows >= 0) & (jnp.arange(rows.shape[1]) < length[:, None])
-    safe = jnp.where(valid, rows, 0)
-    kr = kv.astype(f32)[safe]
-    hi = jax.lax.Precision.HIGHEST
-    ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=hi)
-    qf, of, dof = q.astype(f32), out.astype(f32), dout.astype(f32)
-    lse = jnp.logaddexp(lse, sink)
-    p = jnp.where(valid[:, None], jnp.exp(ein("thd,tkd->thk", qf, kr) * sm_scale - lse[..., None]),
-                  0)
-    delta = jnp.sum(dof * of, axis=-1)
-    ds = p * (ein("thv,tkv->thk", dof, kr[..., :d_v]) - delta[..., None])
-    dq = ein("thk,tkd->thd", ds, kr) * sm_scale
-    dk = ein("thk,thd->tkd", ds, qf) * sm_scale
-    dk = dk.at[..., :d_v].add(ein("thk,thv->tkv", p, dof))
-    dkv = jnp.zeros(kv.shape, f32).at[safe.reshape(-1)].add(
-        jnp.where(valid[..., None], dk, 0).reshape(-1, kv.shape[1]))
-    return dq, dkv, -jnp.sum(jnp.exp(sink - lse) * delta, axis=0)
 
 
 def supported(call: Call) -> str | None:

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa.ops.dense_mla.cuda import cuda_dense_forward, dense_runs
-from jax_dsa.ops.visibility import masked_log_softmax, visible_mask
+from jax_dsa.ops.visibility import masked_log_softmax
 from jax_dsa.ops.indexer.kl_loss.config import KLCall
 from jax_dsa.ops.indexer.topk.cuda import index_lse_call
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
@@ -221,12 +221,6 @@ def dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
     return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True)
 
 
-# The kernels this module calls (tests swap in the pure-JAX references below on CPU).
-KERNELS = {"forward": forward_kernel, "backward": backward_kernel, "score": score_kernel,
-           "target": target_kernel, "dense_lse": dense_lse_kernel,
-           "index_lse": index_lse_kernel, "dense_backward": dense_backward_kernel}
-
-
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
     valid = (idx >= 0) & (idx < s_kv)
     safe = jnp.where(valid, idx, 0)
@@ -235,106 +229,6 @@ def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
     if q_seg is not None:
         support = support & (take(kv_seg, safe) == q_seg[..., None])
     return support, safe
-
-
-def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx, *, sm_scale):
-    """The forward kernel's contract in pure JAX (gathers ``[NB, S_q, K, D]``: small shapes only;
-    for tests)."""
-    nb, s_q, h, d = q.shape
-    s_kv = kv.shape[1]
-    groups = -(-h // HEAD_GROUP)
-    f32, bf = jnp.float32, jnp.bfloat16
-    support, safe = _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv)
-    take = jax.vmap(lambda a, i: a[i])
-    rows = take(kv.astype(bf).astype(f32), safe)  # [nb, s_q, k, d]
-    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
-                        precision=jax.lax.Precision.HIGHEST) * sm_scale
-    p_h = jnp.exp(masked_log_softmax(logits, support[:, :, None, :]))
-    p_h = jnp.where(support[:, :, None, :], p_h, 0)
-    p_h = jnp.pad(p_h, ((0, 0), (0, 0), (0, groups * HEAD_GROUP - h), (0, 0)))
-    mass = jnp.sum(p_h.reshape(nb, s_q, groups, HEAD_GROUP, -1), axis=3).transpose(2, 0, 1, 3)
-    krow = take(ik.astype(bf).astype(f32), safe)
-    dots = jnp.einsum("bshd,bskd->bshk", iq.astype(bf).astype(f32), krow,
-                      precision=jax.lax.Precision.HIGHEST)
-    score = jnp.sum(jax.nn.relu(dots) * iw.astype(f32)[..., None], axis=2)
-    return mass, jnp.where(support, score, -jnp.inf)
-
-
-def reference_score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx):
-    """:func:`score_kernel`'s contract in pure JAX (small shapes only; for tests)."""
-    return reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q[:, :, :1], kv,
-                                    idx, sm_scale=1.0)[1]
-
-
-def reference_target_kernel(q, kv, idx, lse, *, sm_scale, topk_length=None):
-    """:func:`target_kernel`'s contract in pure JAX (small shapes only; for tests; writes every
-    slot, so ``topk_length`` is not needed)."""
-    del topk_length
-    f32, bf = jnp.float32, jnp.bfloat16
-    s_kv = kv.shape[1]
-    valid = (idx >= 0) & (idx < s_kv)
-    rows = jax.vmap(lambda a, i: a[i])(kv.astype(bf).astype(f32), jnp.where(valid, idx, 0))
-    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
-                        precision=jax.lax.Precision.HIGHEST) * sm_scale
-    mass = jnp.sum(jnp.exp(logits - lse.astype(f32)[..., None]), axis=2)
-    return jnp.where(valid, mass, 0)
-
-
-def reference_dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
-    """:func:`dense_lse_kernel`'s contract in pure JAX (``[NB, S_q, H, S_kv]`` logits: small
-    shapes only; for tests)."""
-    f32, bf = jnp.float32, jnp.bfloat16
-    logits = jnp.einsum("bshd,btd->bsht", q.astype(bf).astype(f32), kv.astype(bf).astype(f32),
-                        precision=jax.lax.Precision.HIGHEST) * sm_scale
-    vis = visible_mask(q_pos, kv_pos, q_seg, kv_seg)[:, :, None, :]
-    lse = jax.nn.logsumexp(jnp.where(vis, logits, -jnp.inf), axis=-1)
-    return jnp.where(jnp.any(vis, axis=-1), lse, jnp.inf)
-
-
-def reference_index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
-    """:func:`index_lse_kernel`'s contract in pure JAX (``[NB, S_q, H_I, S_kv]`` dots: small
-    shapes only; for tests)."""
-    f32, bf = jnp.float32, jnp.bfloat16
-    dots = jnp.einsum("bshd,btd->bsht", iq.astype(bf).astype(f32), ik.astype(bf).astype(f32),
-                      precision=jax.lax.Precision.HIGHEST)
-    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), iw.astype(f32),
-                       precision=jax.lax.Precision.HIGHEST)
-    vis = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
-    return jax.nn.logsumexp(jnp.where(vis, score, -jnp.inf), axis=-1)
-
-
-def reference_dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
-    """:func:`dense_backward_kernel`'s contract in pure JAX (small shapes only; for tests)."""
-    s_kv = ik.shape[1]
-    valid = (idx >= 0) & (idx < s_kv)
-    zeros = jnp.zeros  # positions that make every valid slot visible
-    score = reference_score_kernel(iq, ik, iw, zeros(idx.shape[:2], jnp.int32),
-                                   zeros((idx.shape[0], s_kv), jnp.int32), None, None,
-                                   iq[..., :1], ik[..., :1], idx)
-    dscore = jnp.where(valid, jnp.exp(score - index_lse[..., None]) - target, 0)
-    return reference_backward_kernel(iq, ik, iw, idx, dscore) + (score,)
-
-
-def reference_backward_kernel(iq, ik, iw, idx, dscore):
-    """The backward kernel's contract in pure JAX (small shapes only; for tests)."""
-    nb, s_q, h_i, d_i = iq.shape
-    s_kv = ik.shape[1]
-    f32, bf = jnp.float32, jnp.bfloat16
-    valid = (idx >= 0) & (idx < s_kv)
-    safe = jnp.where(valid, idx, 0)
-    ds = jnp.where(valid, dscore.astype(f32), 0)
-    take = jax.vmap(lambda a, i: a[i])
-    iqf, ikf = iq.astype(bf).astype(f32), ik.astype(bf).astype(f32)
-    krow = take(ikf, safe)
-    hp = jax.lax.Precision.HIGHEST
-    dots = jnp.einsum("bshd,bskd->bshk", iqf, krow, precision=hp)
-    d_w = jnp.einsum("bsk,bshk->bsh", ds, jax.nn.relu(dots), precision=hp)
-    gmat = ds[:, :, None, :] * iw.astype(f32)[..., None] * (dots > 0)
-    d_iq = jnp.einsum("bshk,bskd->bshd", gmat, krow, precision=hp)
-    u = jnp.einsum("bshk,bshd->bskd", gmat, iqf, precision=hp)
-    d_ik = jax.vmap(lambda z, i, x: z.at[i].add(x))(
-        jnp.zeros_like(ikf), safe.reshape(nb, -1), u.reshape(nb, -1, d_i))
-    return d_iq, d_ik, d_w
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,14 +242,14 @@ def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, r
     lse, given_scores, idx = config.unpack(rest)
     if config.given_lse:
         if given_scores is None:
-            score = KERNELS["score"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
+            score = score_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx)
         else:  # the top-k's scores: only the support is formed here
             support, _ = _support(kv_pos, q_pos, q_seg, kv_seg, idx, kv.shape[1])
             score = jnp.where(support, given_scores.astype(jnp.float32), -jnp.inf)
-        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale)
+        mass = target_kernel(q, kv, idx, lse, sm_scale=config.sm_scale)
     else:
-        mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
-                                         sm_scale=config.sm_scale)
+        mass, score = forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, idx,
+                                     sm_scale=config.sm_scale)
         mass = jnp.sum(mass, axis=0)
     if layout.heads:  # heads split over the mesh: the head mean spans every shard
         mass = jax.lax.psum(mass, layout.heads)
@@ -402,19 +296,19 @@ def _dense_forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, 
     docstring): the index scores' log-sum-exp, then per chunk the target and the dense
     backward kernel (which recomputes the scores and returns them for the loss)."""
     if lse is None:
-        lse = KERNELS["dense_lse"](q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
-    lse_i = KERNELS["index_lse"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
+        lse = dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, sm_scale=config.sm_scale)
+    lse_i = index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
     lse_i = jnp.where(lse_i == -jnp.inf, 0, lse_i)  # rows without keys: no slot reads it
 
     def step(carry, idx, n):
         cross, tot, *grads = carry
-        mass = KERNELS["target"](q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
+        mass = target_kernel(q, kv, idx, lse, sm_scale=config.sm_scale, topk_length=n)
         mass = jnp.where(idx >= 0, mass, 0)  # columns past n: unwritten
         if layout.heads:
             mass = jax.lax.psum(mass, layout.heads)
         # Each head's probabilities over the visible keys sum to 1: the head mean is mass / H.
         p = mass / jnp.float32(config.h)
-        *chunk_grads, score = KERNELS["dense_backward"](iq, ik, iw, idx, p, lse_i)
+        *chunk_grads, score = dense_backward_kernel(iq, ik, iw, idx, p, lse_i)
         pos = p > 0
         cross = cross + jnp.sum(
             jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1)) - score), 0), axis=-1)
@@ -477,7 +371,7 @@ def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
     total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
     g = g.astype(jnp.float32)[:, None, None]
     dscore = jnp.where(support, g * (pi * total - p), 0)
-    return KERNELS["backward"](iq, ik, iw, idx, dscore)
+    return backward_kernel(iq, ik, iw, idx, dscore)
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",),

@@ -95,32 +95,6 @@ def forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, *,
     return log_mass.reshape(groups, nb, s_q, k), score.reshape(nb, s_q, k)
 
 
-# The kernels this module calls (tests swap in the pure-JAX references below on CPU).
-KERNELS = {"forward": forward_kernel, "backward": kl_loss_cuda.backward_kernel}
-
-
-def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, *,
-                             sm_scale):
-    """The forward kernel's contract in pure JAX (gathers ``[NB, S_q, K, D]``: small shapes only;
-    for tests)."""
-    nb, s_q, h, d = q.shape
-    s_kv = kv.shape[1]
-    groups = -(-h // HEAD_GROUP)
-    f32, bf = jnp.float32, jnp.bfloat16
-    support, safe = kl_loss_cuda._support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv)
-    take = jax.vmap(lambda a, i: a[i])
-    rows = take(kv.astype(bf).astype(f32), safe)  # [nb, s_q, k, d]
-    logits = jnp.einsum("bshd,bskd->bshk", q.astype(bf).astype(f32), rows,
-                        precision=jax.lax.Precision.HIGHEST) * sm_scale
-    log_ph = jnp.where(support[:, :, None, :], logits - lse.astype(f32)[..., None], -jnp.inf)
-    log_ph = jnp.pad(log_ph, ((0, 0), (0, 0), (0, groups * HEAD_GROUP - h), (0, 0)),
-                     constant_values=-jnp.inf)
-    log_mass = jax.nn.logsumexp(log_ph.reshape(nb, s_q, groups, HEAD_GROUP, -1), axis=3)
-    _, score = kl_loss_cuda.reference_forward_kernel(
-        iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q[:, :, :1], kv, idx, sm_scale=sm_scale)
-    return log_mass.transpose(2, 0, 1, 3), score
-
-
 # --------------------------------------------------------------------------------------------
 # The implementation (kl_vjp contract)
 
@@ -128,8 +102,8 @@ def reference_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, ls
 def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, config):
     """``(log_p, p)`` of the target ``[NB, S_q, K]`` (over every head shard; ``log_p`` 0 and
     ``p`` 0 off the support), the index score (``-inf`` off the support) and the support."""
-    log_mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
-                                         idx, sm_scale=config.sm_scale)
+    log_mass, score = forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
+                                     sm_scale=config.sm_scale)
     support = score != -jnp.inf
     log_t = head_logsumexp(log_mass, 0, layout)  # groups, then head shards (pmax, psum)
     log_p = masked_log_softmax(jnp.where(support, log_t, 0), support)
@@ -142,8 +116,8 @@ def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, l
 def _chunk_target(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, config):
     """One dense chunk: the target's log mass ``log_t`` (every head shard's; -inf off the
     support) and the index score (-inf off it)."""
-    log_mass, score = KERNELS["forward"](iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse,
-                                         idx, sm_scale=config.sm_scale)
+    log_mass, score = forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
+                                     sm_scale=config.sm_scale)
     log_t = head_logsumexp(log_mass, 0, layout)
     return jnp.where(score != -jnp.inf, log_t, -jnp.inf), score
 
@@ -191,7 +165,8 @@ def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, 
         p = exp_from(log_t, log_z[..., None])
         pi = exp_from(score, lse_i[..., None])
         dscore = jnp.where(support, g * (pi - p), 0)
-        return tuple(a + b for a, b in zip(carry, KERNELS["backward"](iq, ik, iw, idx, dscore)))
+        grads = kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore)
+        return tuple(a + b for a, b in zip(carry, grads))
 
     f32 = jnp.float32
     init = (jnp.zeros(iq.shape, f32), jnp.zeros(ik.shape, f32), jnp.zeros(iw.shape, f32))
@@ -237,7 +212,7 @@ def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, id
     total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
     g = g.astype(jnp.float32)[:, None, None]
     dscore = jnp.where(support, g * (pi * total - p), 0)
-    return KERNELS["backward"](iq, ik, iw, idx, dscore)
+    return kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore)
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",))

@@ -3,9 +3,10 @@
 
 On any machine: the run glue (every query's visible keys become one run of sorted kv rows)
 against visible_mask, the supported() rules, the backward's key chunks with the kernel's
-pure-JAX contract against the "xla" backward, and the CUDA lowering of a training step (our
-dense forward and the chunked backward calls, no [S, S] array). On an SM90 GPU: out, lse and
-the gradients against the float64 "xla" implementation. benchmarks/gpu_dense_mla.py times it.
+pure-JAX contract (tests/cuda_doubles.py) against the "xla" backward, and the CUDA lowering of a
+training step (our dense forward and the chunked backward calls, no [S, S] array). The ``gpu``
+tests (an SM90 GPU, ``make test-gpu``): out, lse and the gradients against the float64 "xla"
+implementation at GLM-5's and V4's widths.
 """
 
 import re
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cuda_doubles
 from jax_dsa import _native, dense_mla
-from jax_dsa.ops import registry
 from jax_dsa.ops.dense_mla import cuda as dense_cuda
 from jax_dsa.ops.dense_mla.config import Call
 from jax_dsa.ops.indexer import visible_mask
@@ -72,7 +73,7 @@ def test_backward_chunks_match_xla(monkeypatch, sink):
     """The chunked backward (BWD_CHUNK cut to 24: rows over 1-3 chunks and a partial one), with
     the kernel's contract, against the "xla" backward: packed documents in runs and interleaved,
     rows that see no key, padded heads."""
-    monkeypatch.setattr(dense_cuda, "cuda_backward_rows", dense_cuda.reference_backward_rows)
+    monkeypatch.setattr(dense_cuda, "cuda_backward_rows", cuda_doubles.backward_rows)
     monkeypatch.setattr(dense_cuda, "BWD_CHUNK", 24)
     rng = np.random.default_rng(4)
     b, s, h, d, d_v = 2, 60, 5, 64, 32
@@ -123,12 +124,6 @@ def test_training_step_lowers_to_the_dense_forward_without_a_slot_list():
     assert not re.search(rf"tensor<(\d+x)?{s}x{s}xi32>", text)  # no [S, S] slot list
 
 
-def _gpu_ready():
-    if jax.default_backend() != "gpu":
-        return "no GPU"
-    return _native.LOAD_ERRORS.get("_cuda") or registry.sm90_device_error()
-
-
 def _gpu_inputs(rng, b, s, h, d, docs):
     """bf16 q, kv; packed documents in runs with per-document positions; the first five
     queries see no key."""
@@ -144,14 +139,12 @@ def _gpu_inputs(rng, b, s, h, d, docs):
     return q, kv, seg, pos, q_pos
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("b,s,h,d,docs,sink", [
     (1, 1000, 64, 576, 4, False),  # GLM-5 dims, packed documents, S not a multiple of 64
     (2, 333, 16, 512, 2, True),    # padded heads, V4 width, a sink
 ])
 def test_gpu_matches_float64(b, s, h, d, docs, sink):
-    why = _gpu_ready()
-    if why:
-        pytest.skip(str(why))
     rng = np.random.default_rng(s)
     q, kv, seg, pos, q_pos = _gpu_inputs(rng, b, s, h, d, docs)
     att = jnp.asarray(rng.standard_normal(h), jnp.float32) if sink else None
@@ -172,14 +165,12 @@ def test_gpu_matches_float64(b, s, h, d, docs, sink):
     assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("b,s,h,d,docs,sink,chunk", [
     (1, 2500, 64, 576, 3, False, 1024),  # GLM-5 dims, three key chunks (the last partial)
     (2, 333, 16, 512, 2, True, None),    # padded heads, V4 width, a sink, one chunk
 ])
 def test_gpu_gradients_match_float64(monkeypatch, b, s, h, d, docs, sink, chunk):
-    why = _gpu_ready()
-    if why:
-        pytest.skip(str(why))
     if chunk:
         monkeypatch.setattr(dense_cuda, "BWD_CHUNK", chunk)
     rng = np.random.default_rng(s + 1)
@@ -202,36 +193,3 @@ def test_gpu_gradients_match_float64(monkeypatch, b, s, h, d, docs, sink, chunk)
         a, r = np.asarray(a, np.float64), np.asarray(r)
         assert np.all(np.isfinite(a)), name
         assert np.linalg.norm(a - r) <= 1e-2 * np.linalg.norm(r), name
-
-
-def test_gpu_dense_target_is_the_head_sum_of_the_attention_probabilities():
-    """The target mode on contiguous runs (the dense KL's target): per visible key, the sum over
-    heads of exp(sm_scale * q . kv - lse), against float64, with dense_mla's own lse."""
-    why = _gpu_ready()
-    if why:
-        pytest.skip(str(why))
-    rng = np.random.default_rng(7)
-    b, s, h, d = 1, 200, 80, 576
-    q = jnp.asarray(rng.standard_normal((b, s, h, d)) * 0.5, jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
-    seg = (np.arange(s) >= 120).astype(np.int32)[None]
-    pos = (np.arange(s) - 120 * seg[0])[None].astype(np.int32)
-    scale = d ** -0.5
-    kw = dict(q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos),
-              q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
-    _, lse = dense_mla(q, kv, sm_scale=scale, implementation="cuda", **kw)
-    mass, perm = jax.jit(lambda q, kv, lse: dense_cuda.cuda_dense_target(
-        q, kv, kw["q_positions"], kw["kv_positions"], kw["q_segment_ids"],
-        kw["kv_segment_ids"], lse, sm_scale=scale))(q, kv, lse)
-    mass, perm = np.asarray(mass, np.float64), np.asarray(perm)
-    qf, kvf = np.asarray(q, np.float64)[0], np.asarray(kv, np.float64)[0]
-    logits = np.einsum("thd,sd->ths", qf, kvf) * scale
-    vis = np.asarray(visible_mask(*kw.values()))[0]
-    want = np.where(vis, np.exp(logits - np.asarray(lse, np.float64)[0][..., None]).sum(1), 0)
-    got = np.zeros_like(want)
-    for t in range(s):  # back from the sorted runs to key order
-        n = int(vis[t].sum())
-        lo = int(np.searchsorted(seg[0][perm[0]], seg[0, t]))
-        got[t, perm[0, lo:lo + n]] = mass[0, t, :n]
-    assert np.allclose(got.sum(1)[vis.any(1)], h, rtol=1e-2)  # each head's probabilities sum to 1
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

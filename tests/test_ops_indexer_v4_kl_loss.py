@@ -153,7 +153,7 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x, jnp.bfloat16))
 
 
-# As tests/test_indexer.py: float32 accumulation rounded once gives 1.00x the floor; index_k's
+# As tests/test_ops_indexer_kl_loss.py: float32 accumulation rounded once gives 1.00x the floor; index_k's
 # gradient accumulated in bf16 gave 5.9x (sparse) and 1.5x (dense).
 BF16_GRAD_FACTOR = 1.25
 

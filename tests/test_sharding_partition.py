@@ -4,14 +4,13 @@ For each layout (dp, tp, cp, dp+cp+tp) and both mesh axis types (Auto: custom_pa
 a Shardy rule; Explicit: shard_map), forward values (out, lse, max_logits) and gradients of
 ``sparse_mla``,
 ``indexer_topk`` and ``indexer_kl_loss`` are compared with the same jitted computation on one
-device (itself checked against float64 oracles in test_sparse_mla.py / test_indexer.py). The
+device (itself checked against float64 oracles in tests/test_ops_*.py). The
 compiled HLO is checked for the collectives each layout needs, and for no others on q / out.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,30 +22,13 @@ from jax.sharding import PartitionSpec as P
 from jax_dsa import indexer_kl_loss, indexer_topk, sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 from jax_dsa.sharding import Layout, derive_layout, partition
+from meshes import LAYOUTS, assert_close, collectives, make_mesh, spec
 
 B, S, H, D_QK, D_V, K = 2, 16, 4, 24, 8, 6  # sparse_mla
 H_I, D_I, TOPK = 2, 8, 5  # indexer
 SM_SCALE = 0.3
 
-# name -> mesh axis sizes; a one-axis layout uses as many of the 8 devices as the dims allow.
-LAYOUTS = {
-    "dp": {"dp": 2},
-    "tp": {"tp": 4},
-    "cp": {"cp": 4},
-    "dp+cp+tp": {"dp": 2, "cp": 2, "tp": 2},
-}
 IMPLS = [i for i in ("xla", "cpu") if i in sparse_mla_module.AVAILABLE]
-
-
-def make_mesh(sizes, axis_type=AxisType.Auto):
-    n = int(np.prod(list(sizes.values())))
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(axis_type,) * len(sizes),
-                         devices=jax.devices()[:n])
-
-
-def spec(mesh, *dims):
-    """PartitionSpec naming only the mesh's axes among ``dims``."""
-    return P(*(d if d in mesh.axis_names else None for d in dims))
 
 
 def trimmed(p):
@@ -55,31 +37,6 @@ def trimmed(p):
     while entries and entries[-1] is None:
         entries.pop()
     return tuple(entries)
-
-
-def assert_close(got, want, rel=1e-5, what=""):
-    """max |got - want| <= rel * max |want| (finite entries), and the same non-finite entries."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, what
-    fin = np.isfinite(want)
-    np.testing.assert_array_equal(np.isfinite(got), fin, err_msg=what)
-    np.testing.assert_array_equal(got[~fin], want[~fin], err_msg=what)
-    scale = max(np.abs(want[fin]).max(initial=0.0), 1e-30)
-    err = np.abs(got[fin] - want[fin]).max(initial=0.0)
-    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel} * {scale:.3g}"
-
-
-def collectives(compiled_text):
-    """``[(op, result shapes)]`` of the collectives in compiled HLO text."""
-    out = []
-    for line in compiled_text.splitlines():
-        m = re.search(r"= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|"
-                      r"collective-permute)(?:-start)?\(", line)
-        if m:
-            shapes = [tuple(int(d) for d in dims.split(",") if d)
-                      for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
-            out.append((m.group(2), shapes))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

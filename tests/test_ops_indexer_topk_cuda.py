@@ -1,10 +1,13 @@
-"""indexer_topk(implementation="cuda"): the SM90 kernels of ffi/cuda/indexer (module
-jax_dsa._cuda_indexer).
+"""indexer_topk(implementation="cuda"): the SM90 kernels of the jax_dsa._cuda_indexer module
+(jax_dsa/ops/indexer/topk/cuda.py).
 
 Without a GPU (CI): the module loads or says why, the glue's workspace formula is the handler's,
 ``supported`` gives the rule of each refusal, and the op lowers for CUDA to the one custom call
-(no sort or top-k over [S_q, S_kv] left in the program). On an SM90 GPU also the numerics (the
-full GPU check with timing is benchmarks/gpu_check_indexer_topk.py and gpu_indexer_topk.py).
+(no sort or top-k over [S_q, S_kv] left in the program). The ``gpu`` tests (an SM90 GPU,
+``make test-gpu``): the selection against the float64 scores of tests/oracle.py within the
+kernels' error bound, against "xla", the tie rule on exact ties, the FP8 scores, the returned
+scores and the score kernel's log-sum-exp mode, from small shapes to GLM-5's (32 x 128 index
+heads, top-k 2048, 4096 tokens) and 128K keys. benchmarks/gpu_indexer_topk.py times it.
 """
 
 import re
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import oracle
 from jax_dsa.ops import registry
 from jax_dsa import _native, indexer_topk
 from jax_dsa.ops.indexer.topk import op as topk_module
@@ -25,14 +29,6 @@ from jax_dsa.ops.registry import Unavailable
 LOADED = tc.module_error() is None
 needs_module = pytest.mark.skipif(not LOADED, reason=f"_cuda_indexer not built: {tc.module_error()}")
 
-
-def _on_sm90():
-    if not LOADED or jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
-needs_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an SM90 GPU and _cuda_indexer")
 
 
 def test_module_loads_or_reports_why():
@@ -202,11 +198,7 @@ def test_wrong_sizes_raise_before_lowering():
 # On an SM90 GPU
 
 
-def _oracle(q, k, w):
-    dots = np.einsum("thd,sd->ths", q.astype(np.float64), k.astype(np.float64))
-    score = np.einsum("ths,th->ts", np.maximum(dots, 0), w.astype(np.float64))
-    bound = np.einsum("th,thd->td", np.abs(w.astype(np.float64)), np.abs(q.astype(np.float64)))
-    return score, bound @ np.abs(k.astype(np.float64)).T * 4e-5 + 1e-30
+_oracle = oracle.index_scores_and_bounds
 
 
 def _bf(x):
@@ -239,7 +231,7 @@ def _check_rows(idx, score, tol, vis, topk):
                 assert np.max(score[t, rest] - tol[t, rest]) <= np.min(score[t, head] + tol[t, head])
 
 
-@needs_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("h,s_q,s_kv,topk,docs", [(32, 300, 500, 64, False), (64, 200, 2100, 2048, False),
                                                   (20, 256, 256, 512, True)])
 def test_gpu_matches_the_oracle_and_xla(h, s_q, s_kv, topk, docs):
@@ -262,7 +254,7 @@ def test_gpu_matches_the_oracle_and_xla(h, s_q, s_kv, topk, docs):
     assert same > 0.9, same
 
 
-@needs_sm90
+@pytest.mark.gpu
 def test_gpu_exact_ties_go_to_the_lower_index():
     rng = np.random.default_rng()
     s, h, topk = 700, 32, 96
@@ -289,18 +281,16 @@ def test_gpu_exact_ties_go_to_the_lower_index():
     assert zeros_c == zeros_x
 
 
-@needs_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("h,s_q,s_kv,topk", [(32, 300, 2100, 2048), (64, 200, 700, 64)])
 def test_gpu_fp8_matches_the_fp8_oracle_and_xla(h, s_q, s_kv, topk):
-    from test_indexer import np_quantize_fp8
-
     q, k, w, qp, kp, args = _gpu_inputs(h, s_q, s_kv)
     run = lambda impl: np.asarray(indexer_topk(*args, topk=topk, q_positions=qp, kv_positions=kp,
                                                qk_dtype="float8_e4m3fn", implementation=impl))
     got = run("cuda")
     np.testing.assert_array_equal(got, run("cuda"))  # deterministic
-    q8, q_scale = np_quantize_fp8(q)
-    k8, k_scale = np_quantize_fp8(k)
+    q8, q_scale = oracle.quantize_fp8(q)
+    k8, k_scale = oracle.quantize_fp8(k)
     score, tol = _oracle(q8, k8, w * q_scale)
     _check_rows(got, score * k_scale, tol * k_scale, kp[None, :] <= qp[:, None], topk)
     ref = run("xla")
@@ -322,7 +312,7 @@ def test_return_scores_lowers_to_a_scores_result():
     assert len(ours) == 1 and f"tensor<{b}x{s_q}x{topk}xf32>" in ours[0], ours
 
 
-@needs_sm90
+@pytest.mark.gpu
 def test_gpu_return_scores_match_the_oracle():
     s_q, s_kv, h, topk = 300, 2100, 32, 2048
     q, k, w, qp, kp, args = _gpu_inputs(h, s_q, s_kv)
@@ -340,7 +330,7 @@ def test_gpu_return_scores_match_the_oracle():
         assert np.all(np.diff(scores, axis=1)[ok[:, 1:]] <= 0)  # descending (valid slots lead)
 
 
-@needs_sm90
+@pytest.mark.gpu
 @pytest.mark.parametrize("h,s_q,s_kv,docs", [(32, 300, 500, False),    # CTAs split the keys
                                              (20, 200, 2100, True),    # padded heads, documents
                                              (64, 700, 700, True),
@@ -369,3 +359,195 @@ def test_gpu_index_lse_matches_the_oracle(h, s_q, s_kv, docs):
     err = np.abs(got[has] - ref)
     bound = np.max(np.where(vis, tol, 0), axis=1)[has] + 1e-5 * np.abs(ref) + 1e-6
     assert np.all(err <= bound), float(np.max(err / bound))
+
+
+# ---------------------------------------------------------------------------------------------
+# On an SM90 GPU, at scale: every row of each case (or a sample) checked for validity, against
+# the float64 scores within their bounds, against the kernel's own float32 scores (the exact
+# selection and tie rule on them), against "xla", and for determinism (the accuracy part of
+# what was benchmarks/gpu_check_indexer_topk.py, at its sizes and bounds).
+
+POISON = 0x7F7F7F7F
+
+
+def _poison_allocator(shape):
+    """Best effort: fill a freed block of the output's size with a pattern the kernel would leave
+    behind if it skipped elements (XLA's allocator reuses freed blocks)."""
+    x = jnp.full(shape, POISON, jnp.int32)
+    x.block_until_ready()
+    del x
+
+
+def _workspace_scores(qj, kj, wj, q_pos, kv_pos, q_seg, kv_seg, topk):
+    """The kernel's float32 scores of a single-chunk call and each row's key range, from the
+    workspace (None where the call takes several chunks)."""
+    s_q, s_kv = qj.shape[1], kj.shape[1]
+    rows = tc.chunk_rows(s_q, s_kv)
+    if rows < s_q:
+        return None
+    opt = lambda a: None if a is None else jnp.asarray(a)
+    _, ws, _ = jax.jit(lambda *a: tc.topk_call(*a, min(topk, s_kv)))(
+        qj, kj, wj, jnp.asarray(q_pos), jnp.asarray(kv_pos), opt(q_seg), opt(kv_seg))
+    ws = np.asarray(ws)
+    ld = -(-s_kv // 64) * 64
+    scores = ws[:rows * ld * 4].view(np.float32).reshape(rows, ld)
+    off = -(-(rows * ld * 4) // 256) * 256
+    ranges = ws[off:off + rows * 8].view(np.int32).reshape(rows, 2)
+    return scores, ranges
+
+
+def _check_topk_case(rng, nb, s_q, s_kv, h, topk, *, q_pos=None, kv_pos=None, seg=None,
+                     ties=None, f32=False, rows_checked=None, ws_check=True):
+    """Fresh inputs of one case; returns the counts of rows that break each rule."""
+    d = 128
+    q = rng.standard_normal((nb, s_q, h, d)).astype(np.float32) * 0.5
+    k = rng.standard_normal((nb, s_kv, d)).astype(np.float32)
+    w = (rng.standard_normal((nb, s_q, h)) * (h ** -0.5) * (d ** -0.5)).astype(np.float32)
+    if ties == "zeros":  # zero keys, duplicated keys, and rows whose q never passes the ReLU
+        zero = rng.random((nb, s_kv)) < 0.3
+        k[zero] = 0
+        dup = rng.random((nb, s_kv)) < 0.2
+        src = rng.integers(0, s_kv, (nb, s_kv))
+        for b in range(nb):
+            k[b, dup[b]] = k[b, src[b, dup[b]]]
+        k = np.abs(k)
+        neg = rng.random((nb, s_q)) < 0.3
+        q[neg] = -np.abs(q[neg])  # every dot product <= 0 -> score exactly 0
+        w = np.abs(w)
+    if not f32:
+        q, k = _bf(q), _bf(k)
+    if q_pos is None:
+        q_pos = np.broadcast_to(np.arange(s_q) + (s_kv - s_q), (nb, s_q))
+    if kv_pos is None:
+        kv_pos = np.broadcast_to(np.arange(s_kv), (nb, s_kv))
+    q_pos, kv_pos = np.asarray(q_pos, np.int32), np.asarray(kv_pos, np.int32)
+    q_seg = kv_seg = None
+    if seg is not None:
+        q_seg, kv_seg = (np.asarray(x, np.int32) for x in seg)
+    dt = jnp.float32 if f32 else jnp.bfloat16
+    qj, kj, wj = jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(w)
+
+    def op(impl):
+        return jax.jit(lambda q, k, w, qp, kp, qs, ks: indexer_topk(
+            q, k, w, topk=topk, q_positions=qp, kv_positions=kp, q_segment_ids=qs,
+            kv_segment_ids=ks, implementation=impl))
+
+    args = (qj, kj, wj, q_pos, kv_pos, q_seg, kv_seg)
+    _poison_allocator((nb, s_q, topk))
+    got = np.asarray(op("cuda")(*args))
+    again = np.asarray(op("cuda")(*args))
+    ws = (_workspace_scores(qj, kj, wj, q_pos, kv_pos, q_seg, kv_seg, topk)
+          if ws_check and nb == 1 else None)
+    ref_x = np.asarray(op("xla")(*args))
+    assert got.shape == (nb, s_q, topk) and got.dtype == np.int32, (got.shape, got.dtype)
+    bad = dict(poison_left=int(np.sum(got == POISON)),
+               nondeterministic_rows=int(np.sum(np.any(got != again, axis=-1))),
+               valid=0, oracle=0, scores=0, tie_rule=0, xla=0)
+    order = 0  # reported, not a failure: the bounds may overlap within the selection
+    first_bad = None
+    rows = np.arange(s_q) if rows_checked is None else np.asarray(rows_checked)
+    for b in range(nb):
+        # float32 q, k: the oracle of the float32 inputs, the bound widened by their rounding.
+        score, tol = oracle.index_scores_and_bounds(q[b], k[b], w[b], rows, f32_inputs=f32)
+        for ri, t in enumerate(rows):
+            vis = kv_pos[b] <= q_pos[b, t]
+            if q_seg is not None:
+                vis &= kv_seg[b] == q_seg[b, t]
+            nvis = int(vis.sum())
+            kp = min(topk, nvis)
+            sel = got[b, t]
+            head, tail = sel[:kp], sel[kp:]
+            if (np.any(tail != -1) or np.any(head < 0) or np.any(head >= s_kv)
+                    or len(set(head.tolist())) != kp
+                    or not np.all(vis[np.clip(head, 0, s_kv - 1)])):
+                bad["valid"] += 1
+                first_bad = first_bad or (b, int(t), "valid", sel[:8].tolist(), nvis)
+                continue
+            if kp == 0:
+                continue
+            sr, tr = score[ri], tol[ri]
+            chosen = np.zeros(s_kv, bool)
+            chosen[head] = True
+            rest = vis & ~chosen
+            lo_sel = np.min(sr[head] + tr[head])
+            if rest.any() and np.max(sr[rest] - tr[rest]) > lo_sel:
+                bad["oracle"] += 1
+                first_bad = first_bad or (b, int(t), "oracle")
+            order += bool(np.any(sr[head][:-1] + tr[head][:-1] < sr[head][1:] - tr[head][1:]))
+            if ws is not None:
+                sc, rg = ws
+                lo, hi = rg[t]
+                srow = np.full(s_kv, -np.inf, np.float32)
+                srow[lo:min(hi, s_kv)] = sc[t, lo:min(hi, s_kv)]
+                err = np.abs(srow[vis].astype(np.float64) - sr[vis])
+                if np.any(np.isfinite(srow) != vis) or np.any(err > tr[vis]):
+                    bad["scores"] += 1
+                    first_bad = first_bad or (b, int(t), "scores")
+                # The exact rule on the kernel's own scores.
+                s_sel = srow[head]
+                order_ok = np.all((s_sel[:-1] > s_sel[1:])
+                                  | ((s_sel[:-1] == s_sel[1:]) & (head[:-1] < head[1:])))
+                thr = s_sel[-1]
+                above = rest & (srow > thr)
+                at = rest & (srow == thr)
+                tie_ok = (not above.any()) and (
+                    not at.any() or np.min(np.nonzero(at)[0]) > np.max(head[s_sel == thr]))
+                if not (order_ok and tie_ok):
+                    bad["tie_rule"] += 1
+                    first_bad = first_bad or (b, int(t), "tie-rule", bool(order_ok), bool(tie_ok))
+            xs = ref_x[b, t]
+            srt = np.sort(sr[vis])[::-1]
+            clear = True
+            if kp < nvis:
+                gap = srt[kp - 1] - srt[kp]
+                clear = gap > 2 * np.max(tr[vis]) + 1e-6 * abs(srt[kp - 1])
+            if clear and (set(xs[:kp].tolist()) != set(head.tolist()) or np.any(xs[kp:] != -1)):
+                bad["xla"] += 1
+                first_bad = first_bad or (b, int(t), "xla-set")
+            if ties == "zeros":  # the structural zeros: both pick the same lowest-index keys
+                zc = [x for x in head if sr[x] == 0]
+                zx = [x for x in xs[:kp] if x >= 0 and sr[x] == 0]
+                if zc != zx:
+                    bad["xla"] += 1
+                    first_bad = first_bad or (b, int(t), "xla-zero-ties", zc[:5], zx[:5])
+    return bad, dict(rows=len(rows) * nb, out_of_order_within_bounds=order, first_bad=first_bad)
+
+
+def _documents(lens):
+    seg = np.concatenate([np.full(n, i) for i, n in enumerate(lens)])[None]
+    pos = np.concatenate([np.arange(n) for n in lens])[None]
+    return dict(q_pos=pos, kv_pos=pos, seg=(seg, seg))
+
+
+TOPK_CASES = [  # (name, (nb, s_q, s_kv, h, topk), options)
+    ("h48 padded to 64", (1, 600, 600, 48, 64), {}),
+    ("h64 V3.2 top-k 2048", (1, 2500, 2500, 64, 2048), {}),
+    ("batch 3, h32, top-k 256", (3, 300, 900, 32, 256), {}),
+    ("S_kv < top-k, rows that see nothing", (2, 60, 40, 32, 2048),
+     dict(q_pos=np.broadcast_to(np.arange(60), (2, 60)),
+          kv_pos=np.broadcast_to(np.arange(40) + 10, (2, 40)))),
+    ("packed documents", (1, 3000, 3000, 32, 512), _documents([700, 1300, 1000])),
+    ("exact ties (zero and duplicate keys, ReLU zeros), h64, top-k 2048",
+     (1, 3000, 3000, 64, 2048), dict(ties="zeros")),
+    ("V4 compressed keys (kv_pos = 4 i + 3)", (1, 4096, 1024, 64, 512),
+     dict(q_pos=np.arange(4096)[None], kv_pos=(4 * np.arange(1024) + 3)[None])),
+    ("several chunks", (1, 1000, 2000, 32, 300), dict(chunk_limit=1 << 20, ws_check=False)),
+    ("float32 q, k (rounded to bf16)", (1, 800, 800, 32, 128), dict(f32=True)),
+    ("GLM-5 4096 tokens (rows sampled)", (1, 4096, 4096, 32, 2048),
+     dict(rows_checked=np.unique(np.concatenate([np.arange(0, 4096, 37),
+                                                 np.arange(4000, 4096)])))),
+    ("S_kv 131072, 64 late rows (rows sampled)", (1, 64, 131072, 32, 2048),
+     dict(rows_checked=np.arange(0, 64, 4))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,shape,options", TOPK_CASES, ids=[c[0] for c in TOPK_CASES])
+def test_gpu_selection_at_scale(monkeypatch, name, shape, options):
+    options = dict(options)
+    limit = options.pop("chunk_limit", None)
+    if limit is not None:
+        monkeypatch.setattr(tc, "WORKSPACE_LIMIT", limit)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    bad, info = _check_topk_case(np.random.default_rng(seed), *shape, **options)
+    assert not any(bad.values()), f"{name} (seed {seed}): {bad}, {info}"

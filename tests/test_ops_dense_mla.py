@@ -23,45 +23,10 @@ from jax_dsa import dense_mla, sparse_mla
 from jax_dsa.nn.slots import dense_indices
 from jax_dsa.ops.dense_mla import REGISTRY, op as dense_op, xla as dense_xla
 from jax_dsa.ops.registry import Implementation, Registry, always
-from test_sharding import LAYOUTS, assert_close, collectives, make_mesh, spec
+import oracle
+from meshes import LAYOUTS, assert_close, collectives, make_mesh, spec
 
 SM_SCALE = 0.3
-
-
-# ---------------------------------------------------------------------------------------------
-# Float64 NumPy oracle
-
-
-def np_dense(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, w, *, scale, d_v):
-    """out, lse and the gradients of ``sum(out * w)`` (dq, dkv, d_sink) in float64, over the
-    full [S_q, H, S_kv] matrices: the textbook softmax with a sink term in the denominator."""
-    q, kv, w = (np.asarray(x, np.float64) for x in (q, kv, w))
-    sink = np.asarray(sink, np.float64)
-    vis = np.asarray(kv_pos)[..., None, :] <= np.asarray(q_pos)[..., :, None]
-    if q_seg is not None:
-        vis &= np.asarray(kv_seg)[..., None, :] == np.asarray(q_seg)[..., :, None]
-    vis = vis[..., :, None, :]  # [..., S_q, 1, S_kv]
-    s = np.einsum("...qhd,...kd->...qhk", q, kv) * scale
-    s = np.where(vis, s, -np.inf)
-    has = vis.any(-1)  # [..., S_q, 1]
-    m = np.where(has, s.max(-1, initial=-np.inf), 0.0)
-    e = np.where(vis, np.exp(s - m[..., None]), 0.0)
-    z = e.sum(-1)
-    lse = np.where(has, m + np.log(np.where(has, z, 1.0)), np.inf)
-    denom = np.where(has, z + np.exp(sink - m), 1.0)
-    p = np.where(has[..., None], e / denom[..., None], 0.0)  # sink-normalised probabilities
-    v = kv[..., :d_v]
-    out = np.einsum("...qhk,...kd->...qhd", p, v)
-    # d sum(out * w)
-    dp = np.einsum("...qhd,...kd->...qhk", w, v)
-    delta = np.sum(w * out, -1)
-    ds = p * (dp - delta[..., None])
-    dq = np.einsum("...qhk,...kd->...qhd", ds, kv) * scale
-    dkv = np.einsum("...qhk,...qhd->...kd", ds, q) * scale
-    dkv[..., :d_v] += np.einsum("...qhk,...qhd->...kd", p, w)
-    p_sink = np.where(has, np.exp(sink - m) / denom, 0.0)
-    d_sink = -np.sum(p_sink * delta, axis=tuple(range(delta.ndim - 1)))
-    return out, lse, (dq, dkv, d_sink)
 
 
 def rel_l2(got, want):
@@ -99,9 +64,9 @@ def test_oracle_gradients_match_finite_differences():
     kw = dict(scale=SM_SCALE, d_v=3)
 
     def loss(q, kv, sink):
-        return np.sum(np_dense(q, kv, *vis, sink, w, **kw)[0] * w)
+        return np.sum(oracle.dense_mla(q, kv, *vis, sink, w, **kw)[0] * w)
 
-    _, _, (dq, dkv, d_sink) = np_dense(q, kv, *vis, sink, w, **kw)
+    _, _, (dq, dkv, d_sink) = oracle.dense_mla(q, kv, *vis, sink, w, **kw)
     eps = 1e-6
     for x, g, idx in ((q, dq, (0, 5, 1, 2)), (kv, dkv, (0, 4, 1)), (kv, dkv, (1, 2, 4)),
                       (sink, d_sink, (1,))):
@@ -144,7 +109,8 @@ def test_forward_and_gradients_match_float64_oracle(monkeypatch, segmented, with
     if not segmented:
         vis = (vis[0], vis[1], None, None)
     sink_used = sink if with_sink else np.full(h, -np.inf, np.float32)
-    want_out, want_lse, want_g = np_dense(q, kv, *vis, sink_used, w, scale=SM_SCALE, d_v=d_v)
+    want_out, want_lse, want_g = oracle.dense_mla(q, kv, *vis, sink_used, w, scale=SM_SCALE,
+                                                  d_v=d_v)
     segs = vis[2:] if segmented else (vis[0], vis[1])  # placeholders, unused
     f = value_and_grads(d_v, segmented, with_sink)
     (_, (out, lse)), grads = f(q, kv, sink, w, vis[0], vis[1], *segs)
@@ -167,8 +133,8 @@ def test_forward_and_gradients_match_float64_oracle(monkeypatch, segmented, with
     np.testing.assert_array_equal(dq[1, :4], 0)  # rows without a key pass no gradient
     # Sensitivity: the segment ids matter (row 0 would leak across documents without them).
     if segmented:
-        leak, _, _ = np_dense(q, kv, vis[0], vis[1], None, None, sink_used, w, scale=SM_SCALE,
-                              d_v=d_v)
+        leak, _, _ = oracle.dense_mla(q, kv, vis[0], vis[1], None, None, sink_used, w,
+                                      scale=SM_SCALE, d_v=d_v)
         assert rel_l2(leak, want_out) > 1e-2
 
 
@@ -214,8 +180,9 @@ def test_equals_sparse_mla_over_dense_indices(d_qk, d_v, with_sink, dtype):
         assert rel_l2(a, bb) < tol, name
     # and against the oracle (not two copies of one mistake)
     sink64 = np.asarray(sink) if with_sink else np.full(h, -np.inf)
-    ref_out, _, _ = np_dense(np.asarray(q, np.float64), np.asarray(kv, np.float64), q_pos,
-                             q_pos, q_seg, q_seg, sink64, w, scale=SM_SCALE, d_v=d_v)
+    ref_out, _, _ = oracle.dense_mla(np.asarray(q, np.float64), np.asarray(kv, np.float64),
+                                     q_pos, q_pos, q_seg, q_seg, sink64, w, scale=SM_SCALE,
+                                     d_v=d_v)
     assert rel_l2(out, ref_out) < tol
 
 
@@ -229,8 +196,8 @@ def test_leading_batch_dims_and_vmap():
     kw = dict(sm_scale=SM_SCALE, d_v=d_v)
     out, lse = jax.jit(lambda q, kv, p: dense_mla(q, kv, q_positions=p, kv_positions=p, **kw))(
         q, kv, pos)
-    want, want_lse, _ = np_dense(q, kv, pos, pos, None, None, np.full(h, -np.inf),
-                                 np.zeros((2, 2, s, h, d_v)), scale=SM_SCALE, d_v=d_v)
+    want, want_lse, _ = oracle.dense_mla(q, kv, pos, pos, None, None, np.full(h, -np.inf),
+                                         np.zeros((2, 2, s, h, d_v)), scale=SM_SCALE, d_v=d_v)
     assert rel_l2(out, want) < 1e-5 and rel_l2(lse, want_lse) < 1e-5
     vm, _ = jax.jit(jax.vmap(lambda q, kv, p: dense_mla(q, kv, q_positions=p, kv_positions=p,
                                                         **kw)))(

@@ -7,7 +7,7 @@ import pytest
 from jax import enable_x64
 from jax.test_util import check_grads
 
-from jax_dsa.ops import registry
+import oracle
 from jax_dsa import sparse_mla
 from jax_dsa.ops import sparse_mla as sparse_mla_module
 
@@ -17,43 +17,6 @@ HOST_IMPLS = [i for i in ("xla", "cpu") if i in sparse_mla_module.AVAILABLE]
 
 INT32_MAX = np.iinfo(np.int32).max
 INT32_MIN = np.iinfo(np.int32).min
-
-
-def oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, dout=None):
-    """float64 loops over rows: out, lse, (given dout) dq, dkv, dsink, and max_logits (-inf for
-    an empty row, sink excluded). One batch element."""
-    q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
-    s_q, h, d = q.shape
-    s_kv = kv.shape[0]
-    sink = np.full(h, -np.inf) if sink is None else np.asarray(sink, np.float64)
-    out = np.zeros((s_q, h, d_v))
-    lse = np.full((s_q, h), np.inf)
-    max_logits = np.full((s_q, h), -np.inf)
-    dq, dkv, dsink = np.zeros_like(q), np.zeros_like(kv), np.zeros(h)
-    for t in range(s_q):
-        n = idx.shape[1] if length is None else length[t]
-        rows = [int(j) for j in idx[t, :n] if 0 <= j < s_kv]
-        if not rows:
-            continue
-        k = kv[rows]  # [n, d]
-        s = sm_scale * q[t] @ k.T  # [h, n]
-        lse[t] = np.log(np.exp(s).sum(-1))
-        max_logits[t] = s.max(-1)
-        z = np.exp(s).sum(-1) + np.exp(sink)
-        p = np.exp(s) / z[:, None]
-        out[t] = p @ k[:, :d_v]
-        if dout is None:
-            continue
-        do = np.asarray(dout[t], np.float64)
-        delta = (do * out[t]).sum(-1)
-        ds = p * (do @ k[:, :d_v].T - delta[:, None])
-        dq[t] = sm_scale * ds @ k
-        contrib = sm_scale * ds.T @ q[t]
-        contrib[:, :d_v] += p.T @ do
-        for a, r in enumerate(rows):
-            dkv[r] += contrib[a]
-        dsink -= np.exp(sink) / z * delta
-    return out, lse, dq, dkv, dsink, max_logits
 
 
 def make_inputs(rng, batch, s_q, s_kv, h, d, k, dtype=np.float32):
@@ -107,8 +70,8 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
     atol = 1e-5 if tol < 1e-3 else 2e-2
     batch = q.shape[:-3]
     for b in np.ndindex(*batch):
-        ref = oracle(q[b], kv[b], idx[b], sm_scale, d_v, sink,
-                     None if length is None else length[b], dout[b])
+        ref = oracle.sparse_mla(q[b], kv[b], idx[b], sm_scale, d_v, sink,
+                                None if length is None else length[b], dout[b])
         assert rel_l2(out[b], ref[0]) <= tol
         finite = np.isfinite(ref[1])
         np.testing.assert_array_equal(np.isfinite(lse[b]), finite)
@@ -122,8 +85,8 @@ def check_against_oracle(q, kv, idx, sm_scale, d_v, sink=None, length=None, tol=
         assert rel_l2(dkv[b], ref[3]) <= tol
     if sink is not None:
         ref_dsink = sum(
-            oracle(q[b], kv[b], idx[b], sm_scale, d_v, sink,
-                   None if length is None else length[b], dout[b])[4]
+            oracle.sparse_mla(q[b], kv[b], idx[b], sm_scale, d_v, sink,
+                              None if length is None else length[b], dout[b])[4]
             for b in np.ndindex(*batch))
         assert rel_l2(dsink, ref_dsink) <= max(tol, 1e-5)
     for x in (out, lse, dq, dkv, max_logits):
@@ -171,16 +134,8 @@ def test_attention_sink(sink, impl):
     np.testing.assert_array_equal(with_sink[2], without[2])
 
 
-def _cuda_runs_here():
-    """Whether "cuda" is built and the default device is a GPU its kernels run on (SM90)."""
-    if "cuda" not in sparse_mla_module.AVAILABLE or jax.default_backend() != "gpu":
-        return False
-    return registry.sm90_device_error() is None
-
-
-# The host implementations, and "cuda" where it is built and a GPU it supports is present.
-ALL_IMPLS = HOST_IMPLS + [pytest.param("cuda", marks=pytest.mark.skipif(
-    not _cuda_runs_here(), reason="needs the CUDA module and an SM90 GPU"))]
+# The host implementations, and "cuda" (a gpu test: tests/conftest.py).
+ALL_IMPLS = HOST_IMPLS + [pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("pattern", ["all", "mixed"])
@@ -227,8 +182,8 @@ def test_attention_sink_at_plus_inf(pattern, impl_name):
     ref_dsink = np.zeros(4)
     for b in range(2):
         with np.errstate(invalid="ignore"):
-            r_out, r_lse, r_dq, r_dkv, r_dsink, r_max = oracle(q[b], kv[b], idx[b], sm_scale,
-                                                               d_v, sink, None, dout[b])
+            r_out, r_lse, r_dq, r_dkv, r_dsink, r_max = oracle.sparse_mla(
+                q[b], kv[b], idx[b], sm_scale, d_v, sink, None, dout[b])
         ref_dsink = ref_dsink + r_dsink
         assert np.all(np.isfinite(r_out)) and np.all(np.isfinite(r_dq))
         assert np.all(np.isfinite(r_dkv))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from test_sharding import LAYOUTS, assert_close, make_mesh, spec
+from meshes import LAYOUTS, assert_close, make_mesh, spec
 
 from jax_dsa import _native, sparse_mla
 from jax_dsa.ops.indexer import visible_mask
@@ -141,16 +141,10 @@ def test_dp_cp_tp_mesh_equals_unsharded(axis_type):
         assert_close(a, b, rel=1e-4, what=name)
 
 
+@pytest.mark.gpu
 def test_gpu_cuda_parts_match_float64():
     """On an SM90 GPU: both parts on "cuda" (bf16, V4 widths: H 64, D_qk = d_v = 512, a
     128-slot window and 1500 dense rows, a sink, packed documents) against float64 "xla"."""
-    from jax_dsa.ops import registry
-
-    if jax.default_backend() != "gpu" or "cuda" not in _native.available():
-        pytest.skip("needs an SM90 GPU and the CUDA module")
-    why = registry.sm90_device_error()
-    if why:
-        pytest.skip(str(why))
     rng = np.random.default_rng(5)
     b, s, s_d, h, d = 1, 1024, 1500, 64, 512
     x = _inputs(rng, b, s, s_d, h, d, 128, jnp.float32)

@@ -1,14 +1,16 @@
-"""v4_indexer_kl_loss(implementation="cuda"): DeepSeek V4's sparse KL loss on SM90
-(jax_dsa/ops/indexer/v4_kl_loss_cuda.py; the forward kernel's given-denominator mode in
-ffi/cuda/indexer/kl_loss*.cu, the backward kernel shared with V3.2's loss).
+"""v4_indexer_kl_loss(implementation="cuda"): DeepSeek V4's KL loss on SM90
+(jax_dsa/ops/indexer/v4_kl_loss/cuda.py; the forward kernel's given-denominator mode, the
+backward kernel shared with V3.2's loss).
 
 On any machine: the registry and supported(); the XLA glue around the kernels, with the kernels'
-pure-JAX contracts swapped in, against the "xla" implementation and a float64 NumPy oracle
+pure-JAX contracts (tests/cuda_doubles.py) monkeypatched in, against the "xla" implementation
+and the float64 oracle (tests/oracle.py)
 (values, gradients; -1 and out-of-range slots, duplicates, empty rows, packed documents, batch 2,
 rows whose compressed mass is 1e-30 and 1e-44 of the window and sink mass; head and sequence
 sharding on a CPU mesh); the CUDA lowering of jax.grad (our custom calls with the kernels'
-operand shapes, no gather of [S, K, .] rows in XLA). On an SM90 GPU with the kernels built: the
-loss and gradients against the float64 oracle on bf16-rounded inputs.
+operand shapes, no gather of [S, K, .] rows in XLA). The ``gpu`` tests (an SM90 GPU, ``make
+test-gpu``): the loss and gradients against the float64 oracle on bf16-rounded inputs at
+V4-Flash and V4-Pro dims, sparse and dense.
 """
 
 import re
@@ -21,14 +23,15 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jax_dsa.ops import registry
+import cuda_doubles
+import oracle
 from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda
 from jax_dsa.ops.indexer.v4_kl_loss import op as v4_kl_loss
 from jax_dsa.ops.indexer.v4_kl_loss import cuda as v4_kl_loss_cuda
-from jax_dsa.ops.indexer.v4_kl_loss import xla as v4_kl_loss_xla
 from jax_dsa.ops.indexer.kl_loss.config import KLCall
-from jax_dsa.ops.registry import Registry, Unavailable
-from test_indexer_kl_loss_cuda import add_invalid_slots
+from jax_dsa.ops.registry import Unavailable
+from oracle import rel_l2
+from test_ops_indexer_kl_loss_cuda import add_invalid_slots
 
 BF16 = ml_dtypes.bfloat16
 
@@ -37,18 +40,10 @@ def bf16_round(x):
     return np.asarray(x, np.float32).astype(BF16).astype(np.float32)
 
 
-def _registry():
-    return Registry("v4_indexer_kl_loss",
-                    (v4_kl_loss_xla.IMPLEMENTATION, v4_kl_loss_cuda.IMPLEMENTATION),
-                    preference={"gpu": ("cuda", "xla"), "default": ("xla",)})
-
-
 @pytest.fixture
 def cuda_op(monkeypatch):
     """v4_indexer_kl_loss with "cuda" selectable whatever this install built (lowering and glue
     tests need no GPU and no kernels)."""
-    if "cuda" not in v4_kl_loss.REGISTRY:
-        monkeypatch.setattr(v4_kl_loss, "REGISTRY", _registry())
     monkeypatch.setattr(v4_kl_loss_cuda, "module_error", lambda: None)
     return v4_kl_loss.v4_indexer_kl_loss
 
@@ -56,10 +51,8 @@ def cuda_op(monkeypatch):
 @pytest.fixture
 def reference_kernels(cuda_op, monkeypatch):
     """The kernels' pure-JAX contracts in place of the FFI calls (runs anywhere)."""
-    monkeypatch.setitem(v4_kl_loss_cuda.KERNELS, "forward",
-                        v4_kl_loss_cuda.reference_forward_kernel)
-    monkeypatch.setitem(v4_kl_loss_cuda.KERNELS, "backward",
-                        kl_loss_cuda.reference_backward_kernel)
+    monkeypatch.setattr(v4_kl_loss_cuda, "forward_kernel", cuda_doubles.v4_forward_kernel)
+    monkeypatch.setattr(kl_loss_cuda, "backward_kernel", cuda_doubles.kl_backward_kernel)
     return cuda_op
 
 
@@ -108,28 +101,7 @@ def test_supported_takes_v4_dims(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Inputs and the float64 oracle
-
-
-def _support_logits(x, b, t0, t1, sm_scale):
-    """Support [n, K] and float64 logits [n, H, K] (-inf off the support) of rows t0..t1."""
-    q, kv = np.asarray(x["q"], np.float64), np.asarray(x["kv"], np.float64)
-    s_kv = kv.shape[1]
-    ib = x["idx"][b, t0:t1]
-    valid = (ib >= 0) & (ib < s_kv)
-    safe = np.where(valid, ib, 0)
-    sup = valid & (x["kv_pos"][b][safe] <= x["q_pos"][b, t0:t1, None])
-    if x["q_seg"] is not None:
-        sup &= x["kv_seg"][b][safe] == x["q_seg"][b, t0:t1, None]
-    logits = np.matmul(q[b, t0:t1], kv[b][safe].transpose(0, 2, 1)) * sm_scale
-    return sup, safe, np.where(sup[:, None], logits, -np.inf)
-
-
-def _logsumexp(a, axis):
-    m = np.max(a, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    with np.errstate(divide="ignore"):
-        return np.squeeze(np.log(np.sum(np.exp(a - m), axis=axis, keepdims=True)) + m, axis)
+# Inputs (the float64 oracle: tests/oracle.py)
 
 
 def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, block=16,
@@ -173,8 +145,8 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, bl
     for b in range(nb):
         for t0 in range(0, s_q, block):
             t1 = min(s_q, t0 + block)
-            _, _, logits = _support_logits(x, b, t0, t1, sm_scale)
-            lse_sup = _logsumexp(logits, -1)  # [n, H]; -inf on empty rows
+            _, _, logits = oracle.support_logits(x, b, t0, t1, sm_scale)
+            lse_sup = oracle.logsumexp(logits, -1)  # [n, H]; -inf on empty rows
             top = np.max(np.where(np.isfinite(lse_sup), lse_sup, 0), axis=-1, keepdims=True)
             e = extra[b, t0:t1]
             tt = t[t0:t1, None]
@@ -184,50 +156,6 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, bl
             lse[b, t0:t1] = np.logaddexp(lse_sup, e)
     x["lse"] = lse.astype(np.float32)
     return x
-
-
-@np.errstate(invalid="ignore")
-def numpy_oracle(x, sm_scale, block=16):
-    """float64 loss and gradients (d_iq, d_ik, d_w) of DeepSeek V4's sparse KL loss (the module
-    docstring of jax_dsa.ops.indexer.v4_kl_loss), in log space, on the given inputs."""
-    f = lambda a: np.asarray(a, np.float64)
-    iq, ik, iw, lse = (f(x[n]) for n in ("iq", "ik", "iw", "lse"))
-    nb, s_q = iq.shape[:2]
-    d_iq, d_ik, d_w = np.zeros_like(iq), np.zeros_like(ik), np.zeros_like(iw)
-    kl_total, count = 0.0, 0
-    for b in range(nb):
-        for t0 in range(0, s_q, block):
-            t1 = min(s_q, t0 + block)
-            sup, safe, logits = _support_logits(x, b, t0, t1, sm_scale)
-            log_t = _logsumexp(logits - lse[b, t0:t1, :, None], 1)  # [n, K]
-            log_t = np.where(sup, log_t, -np.inf)
-            log_p = log_t - _logsumexp(log_t, -1)[:, None]
-            p = np.where(sup, np.exp(log_p), 0)
-            krows = ik[b][safe]
-            dots = np.matmul(iq[b, t0:t1], krows.transpose(0, 2, 1))  # [n, h_i, k]
-            score = np.sum(np.maximum(dots, 0) * iw[b, t0:t1, :, None], axis=1)
-            score = np.where(sup, score, -np.inf)
-            log_pi = np.where(sup, score - _logsumexp(score, -1)[:, None], 0)
-            pi = np.where(sup, np.exp(log_pi), 0)
-            pos = sup & (p > 0)
-            kl = np.where(pos, p * (np.where(pos, log_p, 0) - log_pi), 0).sum(-1)
-            has = sup.any(-1)
-            kl_total += kl[has].sum()
-            count += int(has.sum())
-            ds = np.where(sup, pi * p.sum(-1, keepdims=True) - p, 0)  # times g = 1 / count
-            d_w[b, t0:t1] = np.einsum("nk,nhk->nh", ds, np.maximum(dots, 0))
-            gmat = ds[:, None, :] * iw[b, t0:t1, :, None] * (dots > 0)
-            d_iq[b, t0:t1] = np.matmul(gmat, krows)
-            u = np.matmul(gmat.transpose(0, 2, 1), iq[b, t0:t1])  # [n, k, 128]
-            np.add.at(d_ik[b], safe[sup], u[sup])
-    if count == 0:
-        return 0.0, d_iq, d_ik, d_w
-    return kl_total / count, d_iq / count, d_ik / count, d_w / count
-
-
-def rel_l2(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
 def loss_fn(op, sm_scale, impl, dense=False):
@@ -269,7 +197,7 @@ def test_glue_matches_xla_and_oracle(reference_kernels, nb, s_q, s_kv, h, d_qk, 
     x = make_inputs(np.random.default_rng(k), nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale)
     got_l, got_g = loss_and_grads(reference_kernels, x, sm_scale, "cuda")
     want_l, want_g = loss_and_grads(reference_kernels, x, sm_scale, "xla")
-    ref = numpy_oracle(x, sm_scale)
+    ref = oracle.v4_kl_loss(x, sm_scale)
     for want in ((want_l, want_g), (ref[0], ref[1:])):
         assert_same(got_l, got_g, *want, tol=2e-5)
 
@@ -292,7 +220,7 @@ def test_glue_underflowing_compressed_mass_is_exact(reference_kernels):
         np.testing.assert_allclose(got_l, want_l, rtol=1e-4)
         for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, want_g):
             assert rel_l2(a, b) < 1e-4, name
-    ref = numpy_oracle(x_hi, sm_scale)
+    ref = oracle.v4_kl_loss(x_hi, sm_scale)
     got_l, got_g = f(x_hi)
     np.testing.assert_allclose(got_l, ref[0], rtol=2e-5)
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), got_g, ref[1:]):
@@ -348,7 +276,7 @@ def test_dense_glue_matches_xla_and_oracle(reference_kernels, monkeypatch, segme
     x_op["idx"] = None
     got_l, got_g = loss_and_grads(reference_kernels, x_op, sm_scale, "cuda", dense=True)
     want_l, want_g = loss_and_grads(reference_kernels, x_op, sm_scale, "xla", dense=True)
-    ref = numpy_oracle(x, sm_scale)
+    ref = oracle.v4_kl_loss(x, sm_scale)
     for want in ((want_l, want_g), (ref[0], ref[1:])):
         assert_same(got_l, got_g, *want, tol=2e-5)
 
@@ -433,19 +361,8 @@ def test_grad_lowers_to_the_kernels(cuda_op, h, d_qk, h_i, k):
 # On the GPU: the kernels against the float64 oracle
 
 
-def _gpu_ready():
-    if jax.default_backend() != "gpu":
-        return "no GPU"
-    return v4_kl_loss_cuda.module_error() or registry.sm90_device_error()
-
-
 @pytest.fixture
-def gpu_op(monkeypatch):
-    why = _gpu_ready()
-    if why:
-        pytest.skip(str(why))
-    if "cuda" not in v4_kl_loss.REGISTRY:
-        monkeypatch.setattr(v4_kl_loss, "REGISTRY", _registry())
+def gpu_op():
     return v4_kl_loss.v4_indexer_kl_loss
 
 
@@ -461,6 +378,7 @@ def assert_near_oracle(label, loss, grads, ref):
         assert errs[name] <= 1e-2, name
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb,s_q,s_kv,h,d_qk,h_i,k,segments", [
     (2, 256, 320, 64, 512, 64, 512, True),     # V4-Flash dims, packed documents, batch 2
     (1, 128, 1100, 128, 512, 64, 1024, False),  # V4-Pro dims: two head groups, 4 CTAs a row
@@ -472,9 +390,10 @@ def test_gpu_matches_float64_oracle(gpu_op, nb, s_q, s_kv, h, d_qk, h_i, k, segm
                     segments)
     loss, grads = loss_and_grads(gpu_op, x, sm_scale, "cuda")
     assert_near_oracle(f"v4 kl cuda {nb}x{s_q}x{s_kv} h={h} k={k}", loss, grads,
-                       numpy_oracle(x, sm_scale))
+                       oracle.v4_kl_loss(x, sm_scale))
 
 
+@pytest.mark.gpu
 def test_gpu_underflowing_compressed_mass(gpu_op):
     """All rows' compressed mass ~1e-44 of the window and sink: the kernel's log mass keeps the
     target exact (same loss as unshifted, and as the oracle)."""
@@ -482,9 +401,10 @@ def test_gpu_underflowing_compressed_mass(gpu_op):
     x = make_inputs(np.random.default_rng(9), 1, 128, 160, 64, 512, 64, 512, sm_scale)
     xs = dict(x, lse=(x["lse"].astype(np.float64) + 100.0).astype(np.float32))
     loss, grads = loss_and_grads(gpu_op, xs, sm_scale, "cuda")
-    assert_near_oracle("v4 kl cuda underflow", loss, grads, numpy_oracle(xs, sm_scale))
+    assert_near_oracle("v4 kl cuda underflow", loss, grads, oracle.v4_kl_loss(xs, sm_scale))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("segments", [False, True])
 def test_gpu_dense_matches_float64_oracle(gpu_op, segments):
     """The dense form: 2500 compressed entries (two chunks of 2048, the second partial), V4-Flash
@@ -496,4 +416,4 @@ def test_gpu_dense_matches_float64_oracle(gpu_op, segments):
     x_op["idx"] = None
     loss, grads = loss_and_grads(gpu_op, x_op, sm_scale, "cuda", dense=True)
     assert_near_oracle(f"v4 dense kl cuda segments={segments}", loss, grads,
-                       numpy_oracle(x, sm_scale, block=64))
+                       oracle.v4_kl_loss(x, sm_scale, block=64))
