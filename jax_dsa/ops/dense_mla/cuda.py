@@ -28,7 +28,7 @@ import numpy as np
 from jax_dsa import kernel_spec
 from jax_dsa.ops.dense_mla.config import Call, Config
 from jax_dsa.ops.registry import Implementation, native_unavailable, sm90_device_error
-from jax_dsa.ops.sparse_mla.cuda import cuda_backward_rows, pad_heads, slot_bucket
+from jax_dsa.ops.sparse_mla.cuda import poisoned_lse, cuda_backward_rows, pad_heads, slot_bucket
 
 DENSE_FWD_TARGET = "jax_dsa_dense_mla_fwd_cuda"
 
@@ -106,7 +106,8 @@ def cuda_dense_forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, *, sm_sca
     )
     out, lse, _ = call(q.reshape(t, hp, d_qk), kv_rows, runs, count.reshape(t), sink,
                        sm_scale=np.float32(sm_scale))
-    return (out.reshape(nb, s_q, hp, d_v)[:, :, :h], lse.reshape(nb, s_q, hp)[:, :, :h])
+    out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
+    return out, poisoned_lse(out, lse.reshape(nb, s_q, hp)[:, :, :h])
 
 
 BWD_CHUNK = 8192  # key columns per backward kernel call (its wide variant past 2048)

@@ -129,8 +129,15 @@ def cuda_forward(q, kv, indices, attn_sink, topk_length, *, sm_scale, d_v):
                         idx.reshape(t, k4), topk_length.astype(jnp.int32).reshape(t), sink,
                         sm_scale=np.float32(sm_scale))
     out = out.reshape(nb, s_q, hp, d_v)[:, :, :h]
-    lse = lse.reshape(nb, s_q, hp)[:, :, :h]
+    lse = poisoned_lse(out, lse.reshape(nb, s_q, hp)[:, :, :h])
     return out, lse, mx.reshape(nb, s_q, hp)[:, :, :h]
+
+
+def poisoned_lse(out, lse):
+    """The kernel takes a row whose softmax sum is not > 0 for one without a valid slot (lse
+    +inf); a NaN sum (the row read a NaN) leaves NaN in its out: make its lse NaN too, the ops'
+    convention for poisoned rows. Reads one column of ``out``."""
+    return jnp.where((lse == jnp.inf) & jnp.isnan(out[..., 0]), jnp.nan, lse)
 
 
 CUDA_TARGET_TARGET = "jax_dsa_sparse_mla_target_cuda"
