@@ -15,14 +15,14 @@ SPARSE_MLA_HEADS: tuple[int, ...] = (64, 128)
 """Query heads of the SM90 forward and backward kernels, ascending. The kernels work on tiles of
 64 heads (one wgmma M); a call with fewer heads is padded up to the next entry (zero q, sink
 -inf) and sliced back. 64: GLM-5 and DeepSeek V4-Flash, 128: DeepSeek V3.2 and V4-Pro
-(``num_attention_heads`` in ``jax_dsa/configs/``; DeepSeek V3.2's ``config.json``:
+(``num_attention_heads`` in ``jax_dsa/models/*/config.py``; DeepSeek V3.2's ``config.json``:
 https://huggingface.co/deepseek-ai/DeepSeek-V3.2-Exp)."""
 
 SPARSE_MLA_D_QK: tuple[int, ...] = (512, 576)
 """Query/key widths D_qk (one compiled kernel each). 576 = MLA's 512-wide latent plus its 64-wide
 shared rope part (``kv_lora_rank`` + ``qk_rope_head_dim`` of DeepSeek V3.2; FlashMLA's sparse
 prefill, https://github.com/deepseek-ai/FlashMLA, takes the same); 512: DeepSeek V4's shared
-K = V row of ``head_dim`` 512 with the rope inside it (``jax_dsa/configs/v4.py``)."""
+K = V row of ``head_dim`` 512 with the rope inside it (``jax_dsa/models/deepseek_v4/config.py``)."""
 
 SPARSE_MLA_D_V = 512
 """Value width d_v of every kernel: the first 512 columns of each key row (MLA's latent; all of a

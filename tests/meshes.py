@@ -1,5 +1,5 @@
-"""Mesh helpers shared by the sharding tests (tests/sharding/) and the ops' sharding tests
-(tests/ops/): the layouts on the 8 CPU devices of tests/conftest.py, meshes, specs, the
+"""Mesh helpers shared by the sharding tests (tests/test_sharding_*.py) and the ops' sharding
+tests (tests/test_ops_*.py): the layouts on the 8 CPU devices of tests/conftest.py, meshes, specs, the
 comparison with an unsharded run and the collectives of compiled HLO."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ float64 oracle (values, gradients, head and sequence sharding); the CUDA lowerin
 (our custom calls with the kernels' operand shapes, no gather of [S, K, .] rows in XLA). The
 ``gpu`` tests (an SM90 GPU, ``make test-gpu``): the kernels against their contracts, and the loss
 and gradients against the float64 oracle (tests/oracle.py) on bf16-rounded inputs, at GLM-5's
-dims (H 64, D_qk 576, 32 x 128 index heads, K 2048) and others. benchmarks/gpu_indexer_kl_loss.py
+dims (H 64, D_qk 576, 32 x 128 index heads, K 2048) and others. benchmarks/ops/indexer_kl_loss.py
 times it.
 """
 

@@ -7,7 +7,7 @@ Without a GPU (CI): the module loads or says why, the glue's workspace formula i
 ``make test-gpu``): the selection against the float64 scores of tests/oracle.py within the
 kernels' error bound, against "xla", the tie rule on exact ties, the FP8 scores, the returned
 scores and the score kernel's log-sum-exp mode, from small shapes to GLM-5's (32 x 128 index
-heads, top-k 2048, 4096 tokens) and 128K keys. benchmarks/gpu_indexer_topk.py times it.
+heads, top-k 2048, 4096 tokens) and 128K keys. benchmarks/ops/indexer_topk.py times it.
 """
 
 import re
@@ -364,8 +364,8 @@ def test_gpu_index_lse_matches_the_oracle(h, s_q, s_kv, docs):
 # ---------------------------------------------------------------------------------------------
 # On an SM90 GPU, at scale: every row of each case (or a sample) checked for validity, against
 # the float64 scores within their bounds, against the kernel's own float32 scores (the exact
-# selection and tie rule on them), against "xla", and for determinism (the accuracy part of
-# what was benchmarks/gpu_check_indexer_topk.py, at its sizes and bounds).
+# selection and tie rule on them), against "xla", and for determinism (what the top-k's former
+# GPU check script checked, at its sizes and bounds).
 
 POISON = 0x7F7F7F7F
 

@@ -1,4 +1,4 @@
-"""sparse_dense_mla (jax_dsa/ops/sparse_dense_mla.py): a slot list into kv plus every visible row
+"""sparse_dense_mla (jax_dsa/ops/sparse_dense_mla/): a slot list into kv plus every visible row
 of kv_dense in one softmax, against sparse_mla over the concatenated keys with the whole list
 (values and gradients), on "xla" in float64 and float32 and with the host's "cpu" sparse part."""
 

@@ -8,8 +8,8 @@ with the kernels' operand shapes, no XLA gather of kv rows). The ``gpu`` tests (
 float64 "xla" implementation: the forward at GLM-5 (H 64, D_qk 576, K 2048) and DeepSeek V4
 (D_qk 512, a sink) dims up to issue 7's full-size shapes, into NaN-poisoned output buffers,
 twice (bit-identical); the backward at the same dims and past the last slot bucket (the wide
-variant); the public op end to end; the glue's compaction. benchmarks/gpu_sparse_mla_fwd.py and
-gpu_dsa_bwd.py time them.
+variant); the public op end to end; the glue's compaction. benchmarks/ops/sparse_mla_fwd.py and
+benchmarks/ops/dsa_bwd.py time them.
 """
 
 import math
@@ -234,7 +234,8 @@ def test_cuda_on_the_host_fails_with_a_clear_error():
 # ---------------------------------------------------------------------------------------------
 # On an SM90 GPU: the forward kernel through its FFI handler (flat tokens, H 64 or 128, K a
 # multiple of 4: the kernel's own contract, raw out-of-range slot ids included), against the
-# float64 oracle (what was the accuracy list of benchmarks/gpu_sparse_mla_fwd.py)
+# float64 oracle (what was the accuracy list of the forward's benchmark,
+# benchmarks/ops/sparse_mla_fwd.py)
 
 D_V = 512
 FULL_SIZE = {  # issue 7's shapes: (a) S_kv 32768 H 128, (b) GLM-5 training, (c) V4 with a sink
@@ -405,7 +406,8 @@ def test_gpu_end_to_end_matches_float64():
 
 # ---------------------------------------------------------------------------------------------
 # On an SM90 GPU: dq, dkv, d_attn_sink of the cuDNN backward through the public op against the
-# same gradients in float64 from "xla" (what was the accuracy part of benchmarks/gpu_dsa_bwd.py)
+# same gradients in float64 from "xla" (what was the accuracy part of the backward's benchmark,
+# benchmarks/ops/dsa_bwd.py)
 
 BWD_CASES = [  # (name, batch, s_q, s_kv, h, d, k, sink, lengths, sm_scale, valid_first)
     ("glm5 H64 D576 K2048 S_q200 S_kv3000", (), 200, 3000, 64, 576, 2048, False, False, 1 / 16,

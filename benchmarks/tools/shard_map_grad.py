@@ -37,7 +37,7 @@ def main():
     a = ap.parse_args()
     n = len(jax.devices())
     if n < 2:
-        raise SystemExit("gpu_shard_map_grad: needs two or more devices")
+        raise SystemExit("shard_map_grad: needs two or more devices")
     b, s, h, d, k = n, 512, 16, 576, 128  # H 16 is padded to 64 by the op
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)

@@ -12,11 +12,11 @@ weights (``quantization_config.quant_method == "fp8"``: ``F8_E4M3`` tensors with
 ``weight_scale_inv [ceil(out / b0), ceil(in / b1)]``, as in DeepSeek V3.2's release) on the fly:
 ``w = w_fp8 * weight_scale_inv[i // b0, j // b1]`` (DeepSeek-V3 ``inference/fp8_cast_bf16.py`` /
 ``kernel.py weight_dequant``). The block-scale helpers (:func:`block_scales`, :func:`scale_values`,
-:func:`dequantize_fp8_block`) also serve :mod:`jax_dsa.interop.v4_layouts`, which adds DeepSeek
-V4's ``.scale`` naming, UE8M0 scales and MXFP4 experts.
+:func:`dequantize_fp8_block`) also serve :mod:`jax_dsa.models.deepseek_v4.checkpoint_layouts`, which
+adds DeepSeek V4's ``.scale`` naming, UE8M0 scales and MXFP4 experts.
 
-The GLM / V3.2 loader (:mod:`jax_dsa.interop.loader`) and the DeepSeek V4 one
-(:mod:`jax_dsa.interop.v4`) differ only in the model they build and in ``key_of``, the map from a
+The GLM / V3.2 loader (:mod:`jax_dsa.models.glm.checkpoint`) and the DeepSeek V4 one
+(:mod:`jax_dsa.models.deepseek_v4.checkpoint`) differ only in the model they build and in ``key_of``, the map from a
 state path to a checkpoint key.
 """
 

@@ -1,5 +1,6 @@
 """Saving a :class:`jax_dsa.nn.DSALanguageModel` as a Hugging Face checkpoint directory
-(a :class:`jax_dsa.nn.DeepseekV4LanguageModel` goes to :func:`jax_dsa.interop.v4_lm.save_v4`).
+(a :class:`jax_dsa.nn.DeepseekV4LanguageModel` goes to
+:func:`jax_dsa.models.deepseek_v4.checkpoint.save_v4`).
 
 Writes ``config.json`` (:func:`jax_dsa.interop.config_to_hf`) and safetensors shards with the
 keys and ``[out, in]`` layouts of transformers' ``GlmMoeDsaForCausalLM`` /
@@ -38,10 +39,10 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
     Args:
       model: a :class:`jax_dsa.nn.DSALanguageModel` (e.g. from :func:`jax_dsa.interop.load_hf`)
         whose config has ``model_type`` ``"glm_moe_dsa"`` or ``"deepseek_v32"``, or a
-        :class:`jax_dsa.nn.v4_model.DeepseekV4LanguageModel` (written in transformers'
+        :class:`jax_dsa.models.deepseek_v4.model.DeepseekV4LanguageModel` (written in transformers'
         ``save_pretrained`` layout for ``DeepseekV4ForCausalLM``, its MTP depths, if any, under
         DeepSeek's release keys ``mtp.{k}.*``, which transformers skips and ``load_hf`` reads:
-        :func:`jax_dsa.interop.v4_lm.save_v4`).
+        :func:`jax_dsa.models.deepseek_v4.checkpoint.save_v4`).
       path: output directory (created; an earlier checkpoint there is replaced atomically: a
         save interrupted at any moment, even by SIGKILL, leaves the old checkpoint or the new
         one, whole, for :func:`jax_dsa.interop.load_hf`; ``docs/failure_behaviour.md``).

@@ -1,4 +1,4 @@
-// Benchmark-only entry of the SM90 DSA backward (benchmarks/gpu_dsa_bwd.py loads it with ctypes
+// Benchmark-only entry of the SM90 DSA backward (benchmarks/ops/dsa_bwd.py loads it with ctypes
 // from libjax_dsa_cuda_bench.so): the kernels of the _cuda module, launched from raw device
 // pointers on a private stream, without XLA. Kept out of the production module.
 

@@ -1,7 +1,7 @@
-// Benchmark-only entry of the SM90 sparse MLA forward (benchmarks/gpu_sparse_mla_fwd.py loads it
-// with ctypes from libjax_dsa_cuda_bench.so, or from a build_fwd_variant.sh library): the kernel
-// launched from raw device pointers on a private stream, without XLA. Kept out of the production
-// module.
+// Benchmark-only entry of the SM90 sparse MLA forward (benchmarks/ops/sparse_mla_fwd.py loads it
+// with ctypes from libjax_dsa_cuda_bench.so, or benchmarks/tools/sparse_mla_fwd_variants.py from
+// a benchmarks/tools/build_fwd_variant.sh library): the kernel launched from raw device pointers
+// on a private stream, without XLA. Kept out of the production module.
 
 #include <cuda_runtime.h>
 

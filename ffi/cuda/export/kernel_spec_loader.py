@@ -3,7 +3,7 @@
 The file is loaded by path, not imported as ``jax_dsa.kernel_spec``: the build environment need
 not be able to import jax_dsa (nor jax). Its place is fixed relative to this file
 (``ffi/cuda/export/`` -> ``jax_dsa/kernel_spec.py``), so a copy of the export scripts
-(``benchmarks/build_fwd_variant.sh``) keeps the repository's layout.
+(``benchmarks/tools/build_fwd_variant.sh``) keeps the repository's layout.
 """
 
 from __future__ import annotations

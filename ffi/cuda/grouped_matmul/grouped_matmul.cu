@@ -1,6 +1,6 @@
 // SM90 grouped matmuls for the routed experts (issue 46): forward, input gradient and weight
 // gradient, bf16 in, fp32 accumulation, bf16 out. Contract and API: grouped_matmul.h; design and
-// measurements: NOTES.md.
+// measurements: benchmarks/notes/grouped_matmul.md.
 //
 // One persistent, warp-specialised kernel serves all three products (MODE):
 //   CTA = 3 warpgroups (384 threads). Warpgroup 0 is the producer: one thread streams the A and B
@@ -25,7 +25,8 @@
 // Epilogue (variant 1, the default): each consumer writes its 64 x 256 half as bf16 into a swizzled
 // staging buffer and one thread issues 4 TMA stores that drain under the next tile's MMAs; a half
 // with rows to mask (a group's last m-tile) is stored directly from registers (variant 0 stores
-// everything that way, with a 4-stage ring; kept for the selftest's comparison: NOTES.md).
+// everything that way, with a 4-stage ring; kept for the selftest's comparison:
+// benchmarks/notes/grouped_matmul.md).
 #include "grouped_matmul.h"
 
 #include <cuda.h>

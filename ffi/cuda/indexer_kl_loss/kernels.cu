@@ -222,7 +222,7 @@ __device__ __forceinline__ void FwdGemm(FwdSmem& sm, float (&acc)[4][4][4], cons
   __syncthreads();
 }
 
-// kGivenLse: DeepSeek V4 mode (kl_loss.h): the denominators come from a.lse, no cluster (the
+// kGivenLse: DeepSeek V4 mode (launch.h): the denominators come from a.lse, no cluster (the
 // `cluster` CTAs of a row run independently) and the result is the log of the group's mass.
 template <bool kGivenLse>
 __global__ void __launch_bounds__(kThreads, 2) KlFwdKernel(const FwdArgs a, int cluster) {

@@ -1,5 +1,6 @@
 """The ``"cuda"`` forward of ``dense_mla``: the SM90 sparse-MLA forward kernel in its contiguous
-mode (``ffi/cuda/sparse_mla_fwd_sm90.py``, FFI target ``jax_dsa_dense_mla_fwd_cuda``).
+mode (``ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py``, FFI target
+``jax_dsa_dense_mla_fwd_cuda``).
 
 Each query's visible keys (``kv_pos <= q_pos``, same segment) are made one contiguous run of kv
 rows: the glue sorts each batch element's keys by (segment id, position) (stable), so the keys

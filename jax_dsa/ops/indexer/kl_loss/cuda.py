@@ -1,7 +1,7 @@
 """The ``"cuda"`` implementation of ``indexer_kl_loss``: the sparse form on SM90 GPUs.
 
-Two CUDA C++ kernels of the ``_cuda_indexer`` FFI module (``ffi/cuda/indexer/kl_loss*.cu``; the
-contract in ``kl_loss.h``) do the work that needs the ``[S_q, K, D]`` gathered rows; the KL
+Two CUDA C++ kernels of the ``_cuda_indexer`` FFI module (``ffi/cuda/indexer_kl_loss/``; the
+contract in ``launch.h``) do the work that needs the ``[S_q, K, D]`` gathered rows; the KL
 algebra on small ``[S_q, K]`` float32 arrays stays in XLA here, so no ``[S_q, K, D]`` array is
 ever formed:
 
@@ -232,7 +232,7 @@ def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
 
 
 # --------------------------------------------------------------------------------------------
-# The implementation (kl_vjp contract)
+# The implementation (the contract of kl_loss/vjp.py)
 
 
 def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, rest, config):

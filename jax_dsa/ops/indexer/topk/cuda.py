@@ -1,5 +1,5 @@
 """The ``"cuda"`` implementation of ``indexer_topk``: jax_dsa's own SM90 kernels (plain CUDA C++,
-``ffi/cuda/indexer``) in the ``_cuda_indexer`` FFI module.
+``ffi/cuda/indexer_topk``) in the ``_cuda_indexer`` FFI module.
 
 The contract is the ``"xla"`` implementation's (:mod:`jax_dsa.ops.indexer.topk.xla`): descending
 score, exact ties to the lower key index, ``-0.0 == +0.0``, visible scores never below the
@@ -65,7 +65,7 @@ def chunk_rows(s_q: int, s_kv: int) -> int:
 
 
 def workspace_bytes(s_kv: int, rows: int) -> int:
-    """Bytes of the workspace result (ffi/cuda/indexer/indexer_topk.h TopkWorkspaceBytes):
+    """Bytes of the workspace result (ffi/cuda/indexer_topk/launch.h TopkWorkspaceBytes):
     scores ``[rows, ld]`` float32, row ranges ``[rows]`` int2, key-tile stats ``[ld / 64]``
     int4, each 256-byte aligned."""
     ld = _round_up(s_kv, KEY_TILE)
@@ -158,7 +158,7 @@ def _kernel_operands(q, k, weights, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def index_lse_workspace_bytes(s_kv: int, s_q: int) -> int:
-    """Bytes of :func:`index_lse_call`'s workspace (ffi/cuda/indexer/indexer_topk.h
+    """Bytes of :func:`index_lse_call`'s workspace (ffi/cuda/indexer_topk/launch.h
     IndexLseWorkspaceBytes): partials ``[max(S_q, 8192)]`` float2, row ranges ``[S_q]`` int2,
     key-tile stats ``[ld / 64]`` int4, each 256-byte aligned."""
     ld = _round_up(s_kv, KEY_TILE)

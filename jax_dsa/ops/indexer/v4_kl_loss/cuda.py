@@ -3,7 +3,7 @@
 DeepSeek V4's target differs from V3.2's only in the per-head denominators: they are given
 (``attention_lse``: window + compressed slots + sink) instead of the softmax over the row's
 support. So the forward kernel runs in its given-denominator mode (FFI target
-``jax_dsa_indexer_v4_kl_fwd_cuda``, ``ffi/cuda/indexer/kl_loss*.cu``, contract in ``kl_loss.h``):
+``jax_dsa_indexer_v4_kl_fwd_cuda``, ``ffi/cuda/indexer_kl_loss/``, contract in ``launch.h``):
 one pass over the gathered rows, no per-head statistics and no cluster exchange. Per query row
 and slot it writes
 
@@ -96,7 +96,7 @@ def forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, *,
 
 
 # --------------------------------------------------------------------------------------------
-# The implementation (kl_vjp contract)
+# The implementation (the contract of kl_loss/vjp.py)
 
 
 def _target_and_score(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx, config):

@@ -6,12 +6,13 @@ and times here; the kernel is launched from raw pointers through the ctypes entr
 built with the module unless ``JAX_DSA_CUDA_BENCH=OFF``, and once through XLA FFI via
 ``jax.ffi.ffi_call``).
 
-    python benchmarks/gpu_sparse_mla_fwd.py --out results.json [--skip-speed]
+    python benchmarks/ops/sparse_mla_fwd.py [--out [FILE]] [--skip-speed]
                                             [--k-sweep] [--kv-sweep] [--steady]
-    python benchmarks/gpu_sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
+    python benchmarks/ops/sparse_mla_fwd.py --sanitize   # one tiny launch (compute-sanitizer)
 
 Its accuracy against float64 is tests/test_ops_sparse_mla_cuda.py (``make test-gpu``); a build
-of ``build_fwd_variant.sh`` is checked by gpu_sparse_mla_fwd_variants.py before it is timed.
+of ``benchmarks/tools/build_fwd_variant.sh`` is checked by
+``benchmarks/tools/sparse_mla_fwd_variants.py`` before it is timed.
 Speed: CUDA-event median over >= 50 launches at the issue's three shapes, all slots valid, and a
 bf16 8192^3 torch matmul timed in the same process; FLOPs = 2 H (D_qk + 512) S_q K.
 ``--steady`` also compares the two in the same power state: the H200 holds its 700 W cap under
@@ -24,14 +25,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import json
 import math
+import pathlib
 import subprocess
+import sys
 import threading
 import time
+import types
 
-import numpy as np
-import torch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 D_V = 512
 # issue 7's three shapes: (a) S_q 4096 / S_kv 32768 H 128, (b) GLM-5 training, (c) V4 with a sink
@@ -49,12 +55,12 @@ def library_path():
     try:
         return _native.bench_library()
     except (NotImplementedError, FileNotFoundError) as e:
-        raise SystemExit(f"gpu_sparse_mla_fwd: {e}") from e
+        raise SystemExit(f"sparse_mla_fwd: {e}") from e
 
 
 class Kernel:
     """The forward's raw bench entry in jax_dsa's benchmark library, or in another build of it
-    (path: a shared library from ``build_fwd_variant.sh``)."""
+    (path: a shared library from ``benchmarks/tools/build_fwd_variant.sh``)."""
 
     def __init__(self, path=None):
         self.lib = ctypes.CDLL(path or library_path())
@@ -341,9 +347,14 @@ def steady(kern, seconds=0.4, rounds=6):
     return rows
 
 
+def torch_devices():
+    """The GPU as :func:`benchmarks.common.gpu_tag` reads it (its ``device_kind``), from torch:
+    naming the result starts no JAX GPU client next to torch's allocations."""
+    return [types.SimpleNamespace(device_kind=torch.cuda.get_device_name())]
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--profile", action="store_true")
@@ -352,7 +363,7 @@ def main():
     ap.add_argument("--steady", action="store_true",
                     help="also time against the matmul in the same power state (steady)")
     ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--commit", default="")
+    common.add_result_args(ap)
     args = ap.parse_args()
     kern = Kernel()
     if args.profile:  # one launch of shape (b) at S_q 4096, for ncu (--launch-skip 1 --launch-count 1)
@@ -381,7 +392,7 @@ def main():
         print("sanitize launches done")
         return
     res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               gpu=torch.cuda.get_device_name(), commit=args.commit,
+               gpu=torch.cuda.get_device_name(), commit=common.commit(args.commit),
                driver=subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                      capture_output=True, text=True).stdout.strip(),
                torch=torch.__version__)
@@ -395,9 +406,7 @@ def main():
         res["k_sweep"] = k_sweep(kern, args.iters)
     if args.kv_sweep:
         res["kv_sweep"] = kv_sweep(kern, args.iters)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    common.write_json(common.out_path(args.out, __file__, devices=torch_devices()), res)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Speed of implementation="cuda"'s backward, the AOT cuDNN DSA backward. Run on an SM90 GPU
 (H100/H200) with jax_dsa's CUDA module built.
 
-    python benchmarks/gpu_dsa_bwd.py --out results.json [--sizes 16384,32768]
+    python benchmarks/ops/dsa_bwd.py [--out [FILE]] [--sizes 16384,32768]
 
 Its accuracy against float64 is tests/test_ops_sparse_mla_cuda.py (``make test-gpu``).
 
@@ -23,15 +23,19 @@ import argparse
 import ctypes
 import datetime
 import json
-import os
+import pathlib
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
 
-from jax_dsa import _native, sparse_mla
-from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_dsa import _native, sparse_mla  # noqa: E402
+from jax_dsa.ops.sparse_mla import cuda as sparse_mla_cuda  # noqa: E402
 
 BF = jnp.bfloat16
 
@@ -188,12 +192,12 @@ def first_call(rng):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sizes", default="16384,32768")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-first-call", action="store_true")
+    common.add_result_args(ap)
     args = ap.parse_args()
     dev = jax.devices()[0]
     print("devices", jax.devices(), "compute_capability", getattr(dev, "compute_capability", None),
@@ -201,7 +205,7 @@ def main():
     rng = np.random.default_rng(0)
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
-                  commit=os.environ.get("JAX_DSA_COMMIT", "unknown"),
+                  commit=common.commit(args.commit),
                   flop_count="10 * S_q * K * H * D_qk per backward",
                   timing="median of --iters runs after 5 warm-ups")
     if not args.skip_first_call:
@@ -209,8 +213,7 @@ def main():
     result["wide_vs_bucket"] = wide_vs_bucket(rng, args.iters)
     if not args.skip_speed:
         result["speed"] = speed(rng, args.iters, [int(x) for x in args.sizes.split(",")])
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    common.write_json(common.out_path(args.out, __file__), result)
 
 
 if __name__ == "__main__":

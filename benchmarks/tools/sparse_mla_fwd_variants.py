@@ -1,15 +1,16 @@
 """Same-process comparison of builds of the SM90 sparse MLA forward (how kernel changes are ranked).
 
-Each build is a library from ``build_fwd_variant.sh`` (``build/fwd_variants/NAME/libfwd.so``);
-``NAME@k`` loads a byte copy of NAME under another file name, whose spread against NAME shows the
-noise of the call. Every build (not the copies) first runs a float64 accuracy list (below:
-a build is not the installed kernel that tests/test_ops_sparse_mla_cuda.py checks); then, shape by shape, every build and a bf16 8192^3 matmul are timed
-back to back for the same wall time each, in rounds of changing order, so that all run in the same
-power state (the H200 holds its power cap under each; see ``gpu_sparse_mla_fwd.steady_many``).
-Reported: median TFLOP/s of each, its fraction of the matmul, its change against the first build,
-and the SM clock and power seen meanwhile.
+Each build is a library from ``benchmarks/tools/build_fwd_variant.sh``
+(``build/fwd_variants/NAME/libfwd.so``); ``NAME@k`` loads a byte copy of NAME under another file
+name, whose spread against NAME shows the noise of the call. Every build (not the copies) first
+runs a float64 accuracy list (below: a build is not the installed kernel that
+tests/test_ops_sparse_mla_cuda.py checks); then, shape by shape, every build and a bf16 8192^3
+matmul are timed back to back for the same wall time each, in rounds of changing order, so that
+all run in the same power state (the H200 holds its power cap under each; see ``steady_many`` in
+benchmarks/ops/sparse_mla_fwd.py). Reported: median TFLOP/s of each, its fraction of the matmul,
+its change against the first build, and the SM clock and power seen meanwhile.
 
-    python benchmarks/gpu_sparse_mla_fwd_variants.py --out runs.json main main@1 change1 change2
+    python benchmarks/tools/sparse_mla_fwd_variants.py [--out [FILE]] main main@1 change1 change2
         [--rounds N] [--seconds 0.4] [--shapes abc] [--skip-accuracy] [--l2-persisting MiB|max]
         [--hang-s 300]
 
@@ -30,21 +31,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
-import json
+import math
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
-import math
-import sys
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
 
-import numpy as np
-import torch
+sys.path.insert(0, str(common.ROOT / "tests"))  # the tests' float64 oracle
 
-import gpu_sparse_mla_fwd as bench
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import oracle  # noqa: E402  (the float64 references of the tests)
+from benchmarks.ops import sparse_mla_fwd as bench  # noqa: E402
 
 _LIMIT_PERSISTING_L2 = 0x06  # cudaLimitPersistingL2CacheSize
 _ATTR_MAX_PERSISTING_L2 = 108  # cudaDevAttrMaxPersistingL2CacheSize
@@ -144,16 +147,16 @@ def accuracy_list(kern, results, label=""):
 
 
 def load_builds(names, tmp):
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "fwd_variants")
+    root = str(common.ROOT / "build" / "fwd_variants")
     kerns, md5 = {}, {}
     for n in names:
         base = n.split("@")[0]
         if base == "matmul":
-            raise SystemExit("gpu_sparse_mla_fwd_variants: 'matmul' names the reference, not a build")
+            raise SystemExit("sparse_mla_fwd_variants: 'matmul' names the reference, not a build")
         path = os.path.join(root, base, "libfwd.so")
         if not os.path.exists(path):
-            raise SystemExit(f"gpu_sparse_mla_fwd_variants: {path} missing: run "
-                             f"benchmarks/build_fwd_variant.sh {base}")
+            raise SystemExit(f"sparse_mla_fwd_variants: {path} missing: run "
+                             f"benchmarks/tools/build_fwd_variant.sh {base}")
         if "@" in n:  # a second file: the dynamic loader would hand back the same library
             copy = os.path.join(tmp, n.replace("@", "_") + ".so")
             shutil.copy(path, copy)
@@ -188,7 +191,7 @@ def set_persisting_l2(value):
     except ImportError:
         if value is None:
             return None, None
-        raise SystemExit("gpu_sparse_mla_fwd_variants: --l2-persisting needs CuPy")
+        raise SystemExit("sparse_mla_fwd_variants: --l2-persisting needs CuPy")
     rt = cupy.cuda.runtime
     found = rt.deviceGetLimit(_LIMIT_PERSISTING_L2)
     if value is not None:
@@ -209,7 +212,6 @@ def report(row):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME or NAME@k (a copy); the first is the control")
-    ap.add_argument("--out")
     ap.add_argument("--rounds", type=int, default=0, help="default: twice (builds + 1)")
     ap.add_argument("--seconds", type=float, default=0.4, help="wall time of each timed phase")
     ap.add_argument("--shapes", default="abc", help="which of issue 7's shapes (a, b, c)")
@@ -218,12 +220,14 @@ def main():
     ap.add_argument("--hang-s", type=float, default=300,
                     help="watchdog: seconds allowed for one build's accuracy list, and added to "
                          "twice the timing's planned wall time")
+    common.add_result_args(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         kerns, md5 = load_builds(args.builds, tmp)
         found, limit = set_persisting_l2(args.l2_persisting)
         res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   gpu=torch.cuda.get_device_name(), builds=args.builds, kernel_object_md5=md5,
+                   gpu=torch.cuda.get_device_name(), commit=common.commit(args.commit),
+                   builds=args.builds, kernel_object_md5=md5,
                    l2_persisting_limit_found=found, l2_persisting_limit=limit)
         if found is not None:
             print(f"persisting L2 limit {found / 2**20:.2f} MiB -> {limit / 2**20:.2f} MiB")
@@ -239,11 +243,9 @@ def main():
         watchdog(args.hang_s + 2 * planned, "timing")
         res["steady"] = bench.steady_many(kerns, shapes, args.seconds, rounds, report=report)
         faulthandler.cancel_dump_traceback_later()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    common.write_json(common.out_path(args.out, __file__, devices=bench.torch_devices()), res)
     if not all(a["passed"] for a in res.get("accuracy", {}).values()):
-        raise SystemExit("gpu_sparse_mla_fwd_variants: a build failed the accuracy list")
+        raise SystemExit("sparse_mla_fwd_variants: a build failed the accuracy list")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Timing of indexer_kl_loss(..., indices=..., implementation="cuda") (the SM90 sparse KL loss:
 jax_dsa/ops/indexer/kl_loss/cuda.py, the _cuda_indexer module's kernels).
 
-    python benchmarks/gpu_indexer_kl_loss.py --out results.json
+    python benchmarks/ops/indexer_kl_loss.py [--out [FILE]]
         [--sizes 4096,8192,16384] [--xla-at 4096] [--commit abc1234+uncommitted]
 
 Its accuracy (the kernels against their contracts, the op against the float64 oracle) is
@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
+import pathlib
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, str(common.ROOT / "tests"))  # the tests' float64 oracle (rel_l2)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jax_dsa import indexer_kl_loss, sparse_mla  # noqa: E402
 from jax_dsa.ops.indexer.kl_loss import cuda as kl_loss_cuda  # noqa: E402
@@ -127,25 +129,23 @@ def timing(rows, sizes, xla_at, n):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4096,8192,16384")
     ap.add_argument("--xla-at", type=int, default=0)
     ap.add_argument("--runs", type=int, default=25)
-    ap.add_argument("--commit", default="unknown")
+    common.add_result_args(ap)
     a = ap.parse_args()
     dev = jax.devices()[0]
-    res = dict(benchmark="benchmarks/gpu_indexer_kl_loss.py",
+    res = dict(benchmark="benchmarks/ops/indexer_kl_loss.py",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               gpu=dev.device_kind, jax=jax.__version__, commit=a.commit,
+               gpu=dev.device_kind, jax=jax.__version__, commit=common.commit(a.commit),
                kernels="_cuda_indexer",
                timing="median of --runs host wall-clock runs around block_until_ready, after 2 "
                       "warm-ups",
                rows=[])
     sizes = [int(s) for s in a.sizes.split(",") if s]
     table = timing(res["rows"], sizes, a.xla_at, a.runs)
-    with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    common.write_json(common.out_path(a.out, __file__), res)
     print("\n| S | fwd kernel | bwd kernel | loss | loss+grad | xla loss+grad | fwd calls |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in table:

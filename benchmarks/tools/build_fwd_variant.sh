@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds one variant of the SM90 sparse MLA forward as a standalone shared library that holds only
 # the forward's raw bench entry (ffi/cuda/bench/sparse_mla_fwd_bench.cc; no nanobind module, no
-# backward), for same-process comparisons on a GPU machine with gpu_sparse_mla_fwd_variants.py.
+# backward), for same-process comparisons on a GPU machine with
+# benchmarks/tools/sparse_mla_fwd_variants.py.
 # The variants (heads, D_qk) are the checkout's jax_dsa/kernel_spec.py. No GPU is needed; 30-60 s
 # on two cores.
 #
-#   benchmarks/build_fwd_variant.sh NAME [KERNEL_SOURCE]
+#   benchmarks/tools/build_fwd_variant.sh NAME [KERNEL_SOURCE]
 #
 # KERNEL_SOURCE: a copy of ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py with the change to measure
 # (default: the checkout's own). Writes build/fwd_variants/NAME/libfwd.so and md5.txt (checksums of
@@ -13,13 +14,13 @@
 # launch settings live in the host code). Needs the set-up's
 # .venv with the CUDA build requirements (scripts/setup.sh with nvcc on PATH).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,14p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
 name=$1
 case $name in
   "" | .* | */* | matmul) echo "build_fwd_variant: NAME '$name' must be a plain file name (not matmul)" >&2
                           exit 2 ;;
 esac
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 src=${2:-$root/ffi/cuda/sparse_mla_fwd/sparse_mla_fwd_sm90.py}
 [ -f "$src" ] || { echo "build_fwd_variant: no kernel source $src" >&2; exit 2; }
 src=$(realpath "$src")

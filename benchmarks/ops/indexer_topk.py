@@ -1,6 +1,6 @@
 """Speed of indexer_topk(implementation="cuda") on an SM90 GPU, with "xla" for the ratio.
 
-    python benchmarks/gpu_indexer_topk.py [--out results.json] [--reps 20] [--no-xla] [--only 16k]
+    python benchmarks/ops/indexer_topk.py [--out [FILE]] [--reps 20] [--no-xla] [--only 16k]
 
 GLM-5's indexer (index heads 32, head dim 128, topk 2048) at S_q = S_kv in {4096, 16384, 32768}
 causal, and S_kv = 131072 with the last 4096 positions as queries; V3.2's 64 heads at 16384.
@@ -28,18 +28,17 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 import jax_dsa  # noqa: E402
-from benchmarks.gpu_trace import kernel_times  # noqa: E402
 
 
 def timed(f, args, reps):
@@ -67,11 +66,10 @@ def pipelined(f, args, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--only", default="", help="time only the shapes whose name contains this")
-    ap.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
+    common.add_result_args(ap)
     a = ap.parse_args()
     dev = jax.devices()[0]
     print("device:", dev.device_kind, getattr(dev, "compute_capability", None), flush=True)
@@ -107,7 +105,7 @@ def main():
                    causal_q_offset=off, visible_pairs=visible)
         row["cuda_ms"], row["cuda_min_ms"] = timed(f, args, a.reps)
         row["cuda_pipelined_ms"] = pipelined(f, args, a.reps)
-        trace = kernel_times(f, args, a.reps, top=8)
+        trace = common.kernel_times(f, args, a.reps, top=8)
         row["cuda_device_ms"] = trace["busy_ms"]
         row["cuda_device_kernels"] = trace["kernels"]
         row["score_tflops"] = flops / (row["cuda_ms"] * 1e-3) / 1e12
@@ -124,32 +122,23 @@ def main():
         print(json.dumps(row), flush=True)
         del q, kk, w, f
 
-    commit = a.commit
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip() + "+uncommitted"
-        except OSError:
-            commit = "unknown"
+    commit = common.commit(a.commit)
     result = dict(date=datetime.date.today().isoformat(), gpu=dev.device_kind,
                   compute_capability=str(getattr(dev, "compute_capability", None)),
                   jax=jax.__version__, commit=commit, timing="median of %d jitted calls after 3 "
                   "warm-ups, host wall time around block_until_ready; command buffers off; "
                   "cuda_device_ms: the kernels' summed GPU time a call over as many traced calls "
-                  "(benchmarks/gpu_trace.py); cuda_pipelined_ms: as many calls queued, one "
+                  "(benchmarks.common.kernel_times); cuda_pipelined_ms: as many calls queued, one "
                   "wait" % a.reps,
                   tflops="2 * H_I * D_I * visible pairs / time", rows=rows)
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+    common.write_json(common.out_path(a.out, __file__), result)
     print()
-    print(f"{'shape':28s} {'cuda ms':>8s} {'queued':>8s} {'device':>8s} {'scores':>8s} {'top-k':>7s} "
-          f"{'TFLOP/s':>8s} {'fp8 ms':>8s} {'scores':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
+    # The kernels' split (scores, top-k) is in each row's cuda_device_kernels.
+    print(f"{'shape':28s} {'cuda ms':>8s} {'queued':>8s} {'device':>8s} "
+          f"{'TFLOP/s':>8s} {'fp8 ms':>8s} {'xla ms':>8s} {'xla/cuda':>8s}")
     for r in rows:
         print(f"{r['name']:28s} {r['cuda_ms']:8.2f} {r['cuda_pipelined_ms']:8.2f} "
-              f"{r['cuda_device_ms']:8.2f} "
-              f"{r['score_only_ms']:8.2f} {r['topk_ms']:7.2f} "
-              f"{r['score_tflops']:8.1f} {r['fp8_ms']:8.2f} {r['fp8_score_only_ms']:8.2f} "
+              f"{r['cuda_device_ms']:8.2f} {r['score_tflops']:8.1f} {r['fp8_ms']:8.2f} "
               f"{r.get('xla_ms', float('nan')):8.2f} {r.get('xla_over_cuda', float('nan')):8.1f}")
 
 
