@@ -1,0 +1,136 @@
+"""Expert parallelism's exchange plan (jax_dsa.sharding.expert_dispatch) against numpy.
+
+The plan is a pure function of the group's pair counts, shared by the ``"ragged"`` and the
+``"capacity"`` exchanges. XLA:CPU has no ragged all-to-all, so here the exchanges are replayed
+in numpy from every device's plan, following ``jax.lax.ragged_all_to_all``'s documented
+semantics (and ``all_to_all``'s), and each row is followed to its expert and back: rows land on
+the device of their expert, sorted by :func:`receive_keys` to the right local expert, come home
+to the row they left, and exactly the pairs that a capped buffer cannot hold are dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dsa.sharding import expert_dispatch as ed
+
+
+def _counts(rng, n, e, pairs):
+    """[n, e]: each device's ``pairs`` pairs over the experts; the last expert and device 1's
+    experts get none, device 0 sends all its pairs to device n-1."""
+    el = e // n
+    counts = np.zeros((n, e), np.int64)
+    for i in range(n):
+        allowed = [x for x in range(e - 1) if x // el != 1 and (i or x // el == n - 1)]
+        counts[i] = np.bincount(rng.choice(allowed, pairs), minlength=e)
+    return counts
+
+
+def _replay(counts, mode, rows):
+    """Every device's plan, the rows moved as the collectives would, numpy-side. Returns
+    ``(plans, buffers, sent, home)``: the receive buffers (label per row: (source, expert,
+    serial) or -1), each source's sorted pairs' labels, and its rows as they come back (the
+    label, or -1 when dropped)."""
+    n, e = counts.shape
+    plans = [jax.tree.map(np.asarray, ed.plan(counts, i, mode=mode, rows=rows))
+             for i in range(n)]
+    # sorted pairs of device i: (i, expert, serial) labels, by expert
+    sent = [np.array([(i, x, s) for x in range(e) for s in range(counts[i, x])]).reshape(-1, 3)
+            for i in range(n)]
+    size = rows if mode == "ragged" else n * rows
+    buffers = [np.full((size, 3), -1) for _ in range(n)]
+    for i, p in enumerate(plans):
+        for j in range(n):
+            start, count = p.send_offsets[j], p.send_sizes[j]
+            at = p.remote_offsets[j] if mode == "ragged" else i * rows
+            if mode == "ragged":  # the receiver's own view must agree (ragged_all_to_all's rule)
+                assert plans[j].recv_offsets[i] == at and plans[j].recv_sizes[i] == count
+            buffers[j][at:at + count] = sent[i][start:start + count]
+    home = [np.full((len(s), 3), -1) for s in sent]
+    for j, p in enumerate(plans):
+        for i in range(n):
+            start, count = p.recv_offsets[i], p.recv_sizes[i]
+            at = p.home_offsets[i]
+            assert at == plans[i].send_offsets[j]
+            home[i][at:at + count] = buffers[j][start:start + count]
+    return plans, buffers, sent, home
+
+
+def _kept_reference(counts, mode, rows):
+    """numpy: which (source, expert, serial) pairs fit. capacity: the first ``rows`` of each
+    (source, destination) block in expert order; ragged: each destination's buffer filled by
+    sources in order."""
+    n, e = counts.shape
+    el = e // n
+    kept = set()
+    room = [rows] * n
+    for i in range(n):
+        for j in range(n):
+            left = rows if mode == "capacity" else room[j]
+            for x in range(j * el, (j + 1) * el):
+                for s in range(counts[i, x]):
+                    if left > 0:
+                        kept.add((i, x, s))
+                        left -= 1
+            if mode == "ragged":
+                room[j] = left
+    return kept
+
+
+@pytest.mark.parametrize("mode", ed.MODES)
+@pytest.mark.parametrize("factor", [None, 0.5])
+def test_plan_moves_every_row_to_its_expert_and_back(mode, factor):
+    rng = np.random.default_rng(0)
+    n, e, pairs = 4, 16, 24
+    counts = _counts(rng, n, e, pairs)
+    rows = ed.buffer_rows(pairs, n, mode, factor)
+    plans, buffers, sent, home = _replay(counts, mode, rows)
+    kept = _kept_reference(counts, mode, rows)
+    el = e // n
+    for j, (p, buf) in enumerate(zip(plans, buffers)):
+        keys = np.asarray(ed.receive_keys(jax.tree.map(jnp.asarray, p), len(buf)))
+        filled = buf[:, 0] >= 0
+        # each received row is one of this device's experts' and the keys name it
+        np.testing.assert_array_equal(keys[filled], buf[filled, 1] - j * el)
+        assert (keys[~filled] == el).all()
+        assert {tuple(r) for r in buf[filled]} == {k for k in kept if k[1] // el == j}
+        np.testing.assert_array_equal(p.recv_expert_sizes.sum(0),
+                                      np.bincount(buf[filled, 1] - j * el, minlength=el))
+    for i in range(n):
+        back = home[i][:, 0] >= 0
+        np.testing.assert_array_equal(home[i][back], sent[i][back])  # to the row it left
+        assert {tuple(r) for r in sent[i][back]} == {k for k in kept if k[0] == i}
+        assert plans[i].overflow == len(sent[i]) - back.sum()
+    dropped = sum(int(p.overflow) for p in plans)
+    assert dropped == counts.sum() - len(kept)
+    assert (dropped == 0) == (factor is None)  # the default buffers are dropless
+
+
+def test_buffer_rows_and_errors():
+    assert ed.buffer_rows(24, 4, "capacity") == 24  # one source may send all to one device
+    assert ed.buffer_rows(24, 4, "ragged") == 96
+    assert ed.buffer_rows(24, 4, "capacity", 1.0) == 6
+    assert ed.buffer_rows(24, 4, "ragged", 1.25) == 30
+    assert ed.buffer_rows(24, 4, "capacity", 100.0) == 24  # never past the worst case
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        ed.buffer_rows(24, 4, "capacity", 0.0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ed.plan(np.zeros((2, 4), np.int32), 0, mode="dense", rows=4)
+    with pytest.raises(ValueError, match=r"counts must be \[n, E\] with n dividing E"):
+        ed.plan(np.zeros((3, 4), np.int32), 0, mode="ragged", rows=4)
+
+
+def test_gather_rows_backward_is_the_inverse_gather():
+    """A masked map and its inverse: the gradient is the inverse gather (no scatter-add),
+    equal to autodiff's."""
+    a = jnp.arange(12.0).reshape(6, 2)
+    idx, valid = jnp.array([4, 0, 5, 2]), jnp.array([True, True, False, True])
+    inv = jnp.array([1, 0, 3, 0, 0, 2])
+    inv_valid = jnp.array([True, False, True, False, True, False])
+    d = jnp.arange(8.0).reshape(4, 2) + 1
+    got = jax.grad(lambda a: (ed.gather_rows(a, idx, valid, inv, inv_valid) * d).sum())(a)
+    want = jax.grad(lambda a: (jnp.where(valid[:, None], a[idx], 0) * d).sum())(a)
+    np.testing.assert_array_equal(got, want)
