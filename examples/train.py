@@ -23,9 +23,11 @@ What it does:
   ``--indexer-qk-dtype float8_e4m3fn`` selects the top-k by DeepSeek-V3.2's FP8 scores (as its
   inference does; the KL loss keeps the unquantized q and k).
 * Optimizer: optax AdamW, linear warm-up then cosine decay, global-norm gradient clipping.
-* Device mesh: ``--mesh dp=2,cp=2,tp=2`` (any subset): data parallel over ``dp`` (batch),
-  context parallel over ``cp`` (tokens; the DSA ops gather keys along the sequence), tensor
-  parallel over ``tp`` (attention heads, MLP, vocabulary). Shardings come from
+* Device mesh: ``--mesh dp=2,cp=2,tp=2`` (any subset of ``dp``, ``ep``, ``cp``, ``tp``): data
+  parallel over ``dp`` (batch), expert parallel over ``ep`` (each device holds ``E / ep``
+  routed experts, tokens move by all-to-all; data parallel for everything else), context
+  parallel over ``cp`` (tokens; the DSA ops gather keys along the sequence), tensor parallel
+  over ``tp`` (attention heads, MLP, vocabulary). Shardings come from
   :data:`LOGICAL_AXIS_RULES` (``jax_dsa.sharding.DEFAULT_RULES``: logical axis -> mesh axis)
   applied to the logical axis names the model gives its parameters and activations.
   ``--cp-layout zigzag`` puts the tokens in Megatron-LM's load-balanced order for causal
@@ -69,9 +71,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import text_data  # noqa: E402  (the example's sibling module)
 
 import jax_dsa.sharding as jax_dsa_sharding  # noqa: E402
-from jax_dsa.nn.experts import update_router_biases  # noqa: E402
+from jax_dsa.nn.experts import set_expert_dispatch, update_router_biases  # noqa: E402
 
-MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "cp", "tp"): mesh axes this example knows
+MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "ep", "cp", "tp"): mesh axes this example knows
 # Logical axis -> mesh axis. The model names every parameter dimension with a logical axis
 # (jax_dsa.nn.LOGICAL_AXES, kept as the parameters' ``out_sharding`` metadata) and constrains its
 # activations with the same names; a logical axis without a rule is replicated.
@@ -164,8 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-batch", action="store_true",
                    help="train on the first batch at every step (debugging: the loss must fall)")
     g.add_argument("--mesh", type=_mesh_spec, default="dp=1",
-                   help="device mesh, e.g. 'dp=2,cp=2,tp=2': data (batch), context (tokens) and "
-                        "tensor (heads, MLP, vocabulary) parallel")
+                   help="device mesh, e.g. 'dp=2,cp=2,tp=2' or 'ep=8': data (batch), expert "
+                        "(routed experts split; data parallel for the rest), context (tokens) "
+                        "and tensor (heads, MLP, vocabulary) parallel")
+    g.add_argument("--expert-dispatch", choices=("ragged", "capacity"), default=None,
+                   help="expert parallelism's token exchange: ragged_all_to_all (exact rows; "
+                        "GPU) or all_to_all of fixed blocks (any platform); default: ragged on "
+                        "accelerators, capacity on the host")
+    g.add_argument("--expert-capacity-factor", type=float, default=None,
+                   help="cap the exchange buffers at this times the balanced share (pairs past "
+                        "it are dropped and counted in aux['expert_overflow']); default: the "
+                        "dropless worst case")
     g.add_argument("--cp-layout", choices=CP_LAYOUTS, default="contiguous",
                    help="token order under context parallelism: contiguous shards, or zigzag "
                         "(shard r holds chunks r and 2cp-1-r: balanced causal work)")
@@ -738,9 +749,10 @@ def _run(args, manager, t_start) -> dict:
                          f"data needs {text_data.VOCAB_SIZE}")
 
     mesh = make_mesh(args.mesh)
-    dp = mesh.shape.get("dp", 1)
+    dp = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)  # ep devices hold other rows too
     if args.batch % dp:
-        raise ValueError(f"--batch ({args.batch}) must be divisible by the dp mesh size ({dp})")
+        raise ValueError(f"--batch ({args.batch}) must be divisible by the dp x ep mesh size "
+                         f"({dp})")
     cp = mesh.shape.get("cp", 1)
     if args.seq_len % (2 * cp if args.cp_layout == "zigzag" else cp):
         raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by the cp mesh size "
@@ -763,6 +775,8 @@ def _run(args, manager, t_start) -> dict:
     model = model_cls(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
     if args.indexer_qk_dtype is not None:
         set_indexer_qk_dtype(model, args.indexer_qk_dtype)
+    if args.expert_dispatch is not None or args.expert_capacity_factor is not None:
+        set_expert_dispatch(model, args.expert_dispatch, args.expert_capacity_factor)
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
     param_sharding = param_shardings(mesh, param_state)

@@ -17,9 +17,10 @@ from meshes import make_mesh
 
 def test_default_rules_map_the_model_axes():
     table = dict(DEFAULT_RULES)
-    assert (table["batch"], table["sequence"], table["heads"]) == ("dp", "cp", "tp")
+    assert (table["batch"], table["sequence"], table["heads"]) == (("dp", "ep"), "cp", "tp")
+    assert table["experts"] == "ep"  # the ep devices are data parallel for the rest
     assert table["index_heads"] is None  # duplicated indexer: identical top-k on head shards
-    assert logical_to_spec(("batch", "sequence", "heads", None)) == P("dp", "cp", "tp", None)
+    assert logical_to_spec(("batch", "sequence", "heads", None)) == P(("dp", "ep"), "cp", "tp", None)
     assert logical_to_spec(("embed", "vocab")) == P(None, "tp")
 
 
@@ -31,6 +32,15 @@ def test_logical_to_spec_skips_missing_axes_indivisible_dims_and_reuse():
     assert logical_to_spec(("heads", "mlp"), mesh=mesh) == P("tp", None)  # tp used once
     rules = (("batch", ("dp", "tp")),)
     assert logical_to_spec(("batch",), rules, mesh, (16,)) == P(("dp", "tp"))
+    # a rule's missing axes are left out; a dim takes the longest leading part that divides it
+    assert logical_to_spec(("batch",), mesh=mesh, shape=(4,)) == P("dp")  # no ep axis
+    ep = make_mesh({"dp": 2, "ep": 4})
+    # a mesh axis once per array: the first dim that claims it wins
+    assert logical_to_spec(("batch", "experts"), mesh=ep, shape=(8, 16)) == P(("dp", "ep"), None)
+    assert logical_to_spec(("batch",), mesh=ep, shape=(8,)) == P(("dp", "ep"))
+    assert logical_to_spec(("batch",), mesh=ep, shape=(2,)) == P("dp")
+    assert logical_to_spec(("batch",), mesh=ep, shape=(3,)) == P(None)
+    assert logical_to_spec(("experts", "mlp"), mesh=ep, shape=(16, 8)) == P("ep", None)
     with pytest.raises(ValueError, match="axis names for shape"):
         logical_to_spec(("batch",), shape=(2, 3))
 

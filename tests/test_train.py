@@ -165,7 +165,7 @@ def test_command_line_validation_and_sharding_rules():
     assert train.parse_args(["--mesh", "dp=2"]).mesh == {"dp": 2}
     assert train.parse_args(["--mesh", "dp=2,cp=2,tp=2"]).mesh == {"dp": 2, "cp": 2, "tp": 2}
     P = jax.sharding.PartitionSpec
-    assert train.logical_to_mesh(("batch", "sequence")) == P("dp", "cp")
+    assert train.logical_to_mesh(("batch", "sequence")) == P(("dp", "ep"), "cp")
     assert train.logical_to_mesh(("vocab", "embed")) == P("tp", None)
     rules = (("heads", "tp"), ("batch", "dp"))
     assert train.logical_to_mesh(("heads", "q_lora"), rules) == P("tp", None)

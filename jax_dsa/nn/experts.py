@@ -11,21 +11,33 @@ For a token ``x`` routed to experts ``idx`` with gate values ``w`` (the router's
 are sorted by expert and pushed through :func:`jax_dsa.ops.grouped_matmul` (weights in their
 stored ``[E, out, in]`` layout, ``transpose_rhs=True``), so the cost is that of the chosen
 experts only and no token is ever dropped.
+
+Expert parallelism: where the logical-axis rules map ``experts`` to mesh axes (``ep``), each
+device holds ``E / ep`` experts; its pairs, sorted by expert, travel to the devices of their
+experts and back by all-to-all (:mod:`jax_dsa.sharding.expert_dispatch`), and the same sort,
+grouped matmuls and k-sum run around the exchange (one code path for both layouts). The
+buffers hold the dropless worst case unless :attr:`Experts.capacity_factor` caps them; pairs a
+capped buffer drops contribute zero and are counted (``return_overflow``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.nn.layers import param
 from jax_dsa.ops.grouped_matmul import REGISTRY as GMM_REGISTRY
 from jax_dsa.ops.grouped_matmul import grouped_matmul
-from jax_dsa.sharding.constraints import explicit_axes, typed_spec
+from jax_dsa.sharding import expert_dispatch as dispatch_lib
+from jax_dsa.sharding.constraints import check_split, explicit_axes, typed_spec
+from jax_dsa.sharding.expert_dispatch import default_mode
+from jax_dsa.sharding.rules import logical_to_spec
 
 ROUTER_NORM_EPS = 1e-20  # transformers adds this to the sum of the chosen gate values
 
@@ -61,8 +73,14 @@ class Experts(nnx.Module):
         self.up_proj = param(rngs, init, (e, i, h), param_dtype, ("experts", "mlp", "embed"))
         self.down_proj = param(rngs, init, (e, h, i), param_dtype, ("experts", "embed", "mlp"))
 
+    # Expert parallelism's exchange (jax_dsa.sharding.expert_dispatch): "ragged", "capacity" or
+    # None (ragged_all_to_all where XLA has it, capacity on the host); capacity_factor None: the
+    # dropless worst case. Set on a model with set_expert_dispatch.
+    dispatch: str | None = None
+    capacity_factor: float | None = None
+
     def __call__(self, x, topk_weights, topk_indices, *, implementation=None,
-                 return_load=False):
+                 return_load=False, return_overflow=False):
         """``x [T, hidden]``, ``topk_weights``/``topk_indices [T, k]`` -> ``[T, hidden]`` (compute
         dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``.
 
@@ -70,35 +88,129 @@ class Experts(nnx.Module):
         sequence of names or ``None``; names it does not register are skipped, and with none
         left it uses its default order (``"cuda"`` then ``"xla"`` on a GPU). ``return_load``:
         also return the tokens per expert, ``[n_routed_experts]`` int32 (over every token,
-        all shards included)."""
+        all shards included). ``return_overflow``: also return the (token, slot) pairs that a
+        capped expert-parallel buffer dropped (int32 scalar, all shards; their contribution is
+        zero; always 0 without expert parallelism or ``capacity_factor``). Results in the order
+        ``(out, load, overflow)``.
+
+        Expert parallelism: when the logical-axis rules map ``experts`` to mesh axes of the mesh
+        in context (``ep``), each device holds ``n_routed_experts / ep`` experts and the pairs
+        move to them and back by all-to-all under ``shard_map`` (:attr:`dispatch`,
+        :attr:`capacity_factor`).
+
+        Raises:
+          ValueError: the ``experts`` mesh axes do not divide ``n_routed_experts``, or the
+            tokens do not split over the token and ``experts`` axes.
+        """
         weights = tuple(p[...].astype(self.dtype) for p in
                         (self.gate_proj, self.up_proj, self.down_proj))
-        mix = functools.partial(_mix, n_experts=self.config.n_routed_experts,
-                                limit=self.swiglu_limit,
+        n_experts = self.config.n_routed_experts
+        mix = functools.partial(_mix, n_experts=n_experts, limit=self.swiglu_limit,
                                 implementation=GMM_REGISTRY.restrict(implementation))
-        if not explicit_axes():
+        ep = expert_axes(n_experts)
+        explicit = explicit_axes()
+        if not ep and not explicit:
             y, load = mix(x.astype(self.dtype), topk_weights, topk_indices, *weights)
-            return (y, load) if return_load else y
-        # Explicit mesh axes: each token shard routes its own tokens through every expert (the
-        # sort and bincount run on local tokens); a split of the experts' inner dim is summed,
-        # the shards' loads too.
-        tok = typed_spec(x)[0]
-        inner = typed_spec(weights[0])[1]
-        specs = (P(tok, None),) * 3 + (P(None, inner, None),) * 2 + (P(None, None, inner),)
-        args = tuple(jax.sharding.reshard(a, sp) for a, sp in
-                     zip((x.astype(self.dtype), topk_weights, topk_indices, *weights), specs))
+            return _results(y, load, jnp.zeros((), jnp.int32), return_load, return_overflow)
+        # Under shard_map: each token shard routes its own tokens (the sort and bincount run on
+        # local tokens); with ep the pairs go to the devices of their experts and back; a split
+        # of the experts' inner dim is summed, the shards' loads too.
+        if explicit:
+            tok = _axes(typed_spec(x)[0])
+            inner = typed_spec(weights[0])[1]
+            inner = None if inner is None or set(_axes(inner)) & set(ep) else inner
+        else:
+            tok = _auto_token_axes(x.shape[0], ep)
+            inner = _auto_inner(weights[0].shape[1], ep)
+        tok = _token_axes(tok, ep, x.shape[0])
+        tok_entry = None if not tok else (tok[0] if len(tok) == 1 else tok)
+        ep_entry = None if not ep else (ep[0] if len(ep) == 1 else ep)
+        specs = ((P(tok_entry, None),) * 3 + (P(ep_entry, inner, None),) * 2
+                 + (P(ep_entry, None, inner),))
+        args = (x.astype(self.dtype), topk_weights, topk_indices, *weights)
+        if explicit:
+            args = tuple(jax.sharding.reshard(a, sp) for a, sp in zip(args, specs))
+        if ep:
+            mode = self.dispatch or default_mode()
+            mix = functools.partial(_ep_mix, mix=mix, ep=ep, mode=mode,
+                                    capacity_factor=self.capacity_factor)
+        else:
+            mix = functools.partial(_with_overflow, mix)
 
         def local(*a):
-            y, load = mix(*a)
+            y, load, overflow = mix(*a)
             if inner is not None:
                 y = jax.lax.psum(y, inner)
-            if tok is not None:
-                load = jax.lax.psum(load, tok)
-            return y, load
+            if tok:
+                load, overflow = jax.lax.psum((load, overflow), tok)
+            return y, load, overflow
 
-        y, load = jax.shard_map(local, in_specs=specs, out_specs=(P(tok, None), P()),
-                                check_vma=False)(*args)
-        return (y, load) if return_load else y
+        y, load, overflow = jax.shard_map(local, in_specs=specs,
+                                          out_specs=(P(tok_entry, None), P(), P()),
+                                          check_vma=False)(*args)
+        if explicit and typed_spec(y) != typed_spec(x):
+            y = jax.sharding.reshard(y, P(*typed_spec(x)))
+        return _results(y, load, overflow, return_load, return_overflow)
+
+
+def _results(y, load, overflow, return_load, return_overflow):
+    out = (y,) + ((load,) if return_load else ()) + ((overflow,) if return_overflow else ())
+    return out if len(out) > 1 else y
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def expert_axes(n_experts: int) -> tuple[str, ...]:
+    """The mesh axes (of the mesh in context) that the rules split the routed experts over;
+    ``()`` without a mesh, inside ``shard_map``, or when the rules map ``experts`` to none of
+    its axes.
+
+    Raises:
+      ValueError: those axes do not divide ``n_experts`` (naming the axes and the rule).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Manual in mesh.axis_types:
+        return ()
+    check_split(n_experts, "experts", "n_routed_experts")
+    return _axes(logical_to_spec(("experts",), mesh=mesh)[0])
+
+
+def _auto_token_axes(t: int, ep: tuple[str, ...]) -> tuple[str, ...]:
+    """On Auto axes (no typed sharding to read): the axes the rules split tokens over, batch
+    then sequence (the [B, S] -> [B * S] flattening's order), cut to what divides ``t``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = logical_to_spec(("batch", "sequence"), mesh=mesh)
+    axes = tuple(a for e in spec for a in _axes(e) if a not in ep)
+    while axes and t % math.prod(mesh.shape[a] for a in axes + ep):
+        axes = axes[:-1]
+    return axes
+
+
+def _auto_inner(i: int, ep: tuple[str, ...]):
+    """On Auto axes: the mesh axes the rules split the experts' inner dim (``mlp``) over, or
+    None."""
+    entry = logical_to_spec(("mlp",), mesh=jax.sharding.get_abstract_mesh(), shape=(i,))[0]
+    return None if set(_axes(entry)) & set(ep) else entry
+
+
+def _token_axes(tok: tuple[str, ...], ep: tuple[str, ...], t: int) -> tuple[str, ...]:
+    """The tokens' axes with the expert axes appended: the ep devices must hold other tokens
+    (where tokens are whole over an ep axis, each device takes its share).
+
+    Raises:
+      ValueError: ``t`` tokens do not split over those axes.
+    """
+    axes = tok + tuple(a for a in ep if a not in tok)
+    mesh = jax.sharding.get_abstract_mesh()
+    n = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    if t % n:
+        raise ValueError(
+            f"Experts: {t} tokens (batch x sequence) do not split over mesh axes {axes} (size "
+            f"{n}): the token axes and the experts' axes {ep}; use a batch x sequence that "
+            f"divides by {n}")
+    return axes
 
 
 # The permutation between (token, slot) order and expert-sorted order is applied by gathers in
@@ -152,30 +264,87 @@ def _permute_bwd(res, d):
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_experts,
-         limit=None, implementation=None):
-    """The routed experts on one set of tokens (weights in the PyTorch ``[E, out, in]`` layout);
-    ``limit``: clip the gate pre-activation above at ``limit`` and the up one to ``[-limit,
-    limit]`` (``None``: no clip). Returns ``(out [T, H], tokens per expert [E] int32)``."""
-    t, k = topk_indices.shape
-    flat = topk_indices.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # pairs grouped by expert
-    inverse = jnp.argsort(order).astype(jnp.int32)  # each pair's row in the sorted order
-    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+def _sort_pairs(keys, n_groups):
+    """``keys [N]`` int (group ids in ``[0, n_groups)``) -> ``(order, inverse, group_sizes)``:
+    the stable sort that groups rows by key, its inverse, and the rows per group (int32)."""
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    inverse = jnp.argsort(order).astype(jnp.int32)  # each row's place in the sorted order
+    return order, inverse, jnp.bincount(keys, length=n_groups).astype(jnp.int32)
+
+
+def _ffn(xs, group_sizes, gate_proj, up_proj, down_proj, *, limit, implementation):
+    """The experts on rows sorted by expert (``group_sizes`` rows each; rows past their sum
+    come out zero): ``down(silu(gate(x)) * up(x))``, pre-activations clipped at ``limit``."""
     gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, transpose_rhs=True,
                             implementation=implementation)
-    xs = _dispatch(x, order, inverse, k)  # [T*k, H], sorted by expert
     gate = gmm(xs, gate_proj)
     up = gmm(xs, up_proj)
     if limit is not None:
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    h = jax.nn.silu(gate) * up
-    ys = gmm(h, down_proj)  # [T*k, H], sorted by expert
-    y = _permute(ys, inverse, order).reshape(t, k, -1)  # back to (token, slot) order
+    return gmm(jax.nn.silu(gate) * up, down_proj)
+
+
+def _weighted_sum(ys, order, inverse, topk_weights):
+    """The sorted pairs' outputs ``ys [T*k, H]`` back in (token, slot) order and summed over the
+    k slots with the gate values: ``[T, H]`` in ``ys``'s dtype."""
+    t, k = topk_weights.shape
+    y = _permute(ys, inverse, order).reshape(t, k, -1)
     # an elementwise product and a k-sum (a fused reduce in float32, not a dot that a GPU may
     # run in TF32)
     out = (y.astype(jnp.float32) * topk_weights.astype(jnp.float32)[..., None]).sum(1)
-    return out.astype(ys.dtype), group_sizes
+    return out.astype(ys.dtype)
+
+
+def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_experts,
+         limit=None, implementation=None, ffn=None):
+    """The routed experts on one set of tokens (weights in the PyTorch ``[E, out, in]`` layout);
+    ``limit``: clip the gate pre-activation above at ``limit`` and the up one to ``[-limit,
+    limit]`` (``None``: no clip). ``ffn``: what runs on the sorted pairs, ``(xs, group_sizes,
+    *weights) -> (ys, extra)`` (default: the grouped matmuls here; expert parallelism passes
+    the exchange around them). Returns ``(out [T, H], tokens per expert [E] int32)``, plus
+    ``extra`` with ``ffn``."""
+    k = topk_indices.shape[1]
+    order, inverse, group_sizes = _sort_pairs(topk_indices.reshape(-1), n_experts)
+    xs = _dispatch(x, order, inverse, k)  # [T*k, H], sorted by expert
+    if ffn is None:
+        ys = _ffn(xs, group_sizes, gate_proj, up_proj, down_proj, limit=limit,
+                  implementation=implementation)
+        return _weighted_sum(ys, order, inverse, topk_weights), group_sizes
+    ys, extra = ffn(xs, group_sizes, gate_proj, up_proj, down_proj)
+    return _weighted_sum(ys, order, inverse, topk_weights), group_sizes, extra
+
+
+def _with_overflow(mix, *args):
+    y, load = mix(*args)
+    return y, load, jnp.zeros((), jnp.int32)
+
+
+def _ep_mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, mix, ep, mode,
+            capacity_factor):
+    """:func:`_mix` inside ``shard_map`` with the experts split over the mesh axes ``ep``:
+    this device's pairs, sorted by expert, go to the devices of their experts
+    (:func:`jax_dsa.sharding.expert_dispatch.dispatch`), are sorted there by local expert and
+    run through the grouped matmuls on this device's ``E / ep`` experts, and come back
+    (:func:`~jax_dsa.sharding.expert_dispatch.combine`) to the same k-sum. Returns ``(out,
+    tokens per expert [E] of this device's tokens, pairs dropped here)``."""
+    n_experts = mix.keywords["n_experts"]
+    local = gate_proj.shape[0]  # E / ep
+
+    def exchange(xs, group_sizes, *weights):
+        pairs = xs.shape[0]
+        n = n_experts // local
+        rows = dispatch_lib.buffer_rows(pairs, n, mode, capacity_factor)
+        counts = jax.lax.all_gather(group_sizes, ep)  # [ep, E]: every device's pairs
+        p = dispatch_lib.plan(counts, jax.lax.axis_index(ep), mode=mode, rows=rows)
+        received = dispatch_lib.dispatch(xs, p, axis=ep, mode=mode, rows=rows)
+        order, inverse, sizes = _sort_pairs(
+            dispatch_lib.receive_keys(p, received.shape[0]), local + 1)  # padding last
+        ys = _ffn(_permute(received, order, inverse), sizes[:local], *weights,
+                  limit=mix.keywords["limit"], implementation=mix.keywords["implementation"])
+        ys = _permute(ys, inverse, order)
+        return dispatch_lib.combine(ys, p, axis=ep, mode=mode, pairs=pairs), p.overflow
+
+    return mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, ffn=exchange)
 
 
 # DeepSeek-V3's auxiliary-loss-free load balancing -----------------------------------------------
@@ -187,6 +356,34 @@ def moe_blocks(model) -> list:
     V4 with ``mtp=True``)."""
     layers = list(model.layers) + list(getattr(model, "mtp", None) or ())
     return [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+
+
+def set_expert_dispatch(model, dispatch: str | None = None,
+                        capacity_factor: float | None = None) -> int:
+    """Sets expert parallelism's exchange on every routed-experts module of ``model`` (any
+    NNX module; in place, a static setting: jitted steps retrace). ``dispatch``: ``"ragged"``
+    (``jax.lax.ragged_all_to_all``, exact rows; needs XLA:GPU or TPU), ``"capacity"``
+    (``jax.lax.all_to_all`` of fixed ``[ep, C, hidden]`` blocks; runs everywhere) or ``None``
+    (ragged on accelerators, capacity on the host). ``capacity_factor``: ``None`` sizes the
+    buffers for the dropless worst case; ``f`` caps them at ``f`` times the balanced share
+    (pairs past it are dropped, contribute zero and are counted in
+    ``aux["expert_overflow"]``). Returns how many modules were set.
+
+    Raises:
+      ValueError: an unknown ``dispatch`` or a ``capacity_factor`` that is not positive.
+    """
+    if dispatch is not None and dispatch not in dispatch_lib.MODES:
+        raise ValueError(f"set_expert_dispatch: dispatch must be one of "
+                         f"{dispatch_lib.MODES} or None, got {dispatch!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"set_expert_dispatch: capacity_factor must be > 0, got "
+                         f"{capacity_factor}")
+    count = 0
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Experts):
+            module.dispatch, module.capacity_factor = dispatch, capacity_factor
+            count += 1
+    return count
 
 
 def router_bias_step(bias, load, rate):
@@ -222,6 +419,6 @@ def update_router_biases(model, expert_load, rate) -> int:
 
 
 __all__ = [
-    "Buffer", "Experts", "ROUTER_NORM_EPS", "moe_blocks", "router_bias_step",
-    "update_router_biases",
+    "Buffer", "Experts", "ROUTER_NORM_EPS", "expert_axes", "moe_blocks", "router_bias_step",
+    "set_expert_dispatch", "update_router_biases",
 ]

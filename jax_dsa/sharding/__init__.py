@@ -1,10 +1,12 @@
-"""Sharding of the DSA ops and layers: data (dp), tensor (tp) and context (cp) parallelism.
+"""Sharding of the DSA ops and layers: data (dp), expert (ep), tensor (tp) and context (cp)
+parallelism.
 
 * :mod:`~jax_dsa.sharding.partition`: the engine the ops split themselves with under
   ``jax.jit`` (custom_partitioning with a Shardy rule for ``Auto`` mesh axes, ``shard_map`` for
   ``Explicit`` ones); each op's role tables live in its own package (``jax_dsa.ops``).
 * :mod:`~jax_dsa.sharding.rules`: logical axis names -> mesh axes (:data:`DEFAULT_RULES`).
 * :mod:`~jax_dsa.sharding.constraints`: :func:`constrain`, the layers' activation constraints.
+* :mod:`~jax_dsa.sharding.expert_dispatch`: expert parallelism's all-to-all token exchange.
 * :mod:`~jax_dsa.sharding.zigzag`: causal load balance of context parallelism.
 """
 
@@ -21,6 +23,7 @@ from jax_dsa.sharding.rules import (
     CONTEXT,
     DATA,
     DEFAULT_RULES,
+    EXPERT,
     MESH_AXES,
     TENSOR,
     axis_rules,
@@ -40,6 +43,7 @@ __all__ = [
     "CONTEXT",
     "DATA",
     "DEFAULT_RULES",
+    "EXPERT",
     "Layout",
     "MESH_AXES",
     "Result",

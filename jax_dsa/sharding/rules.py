@@ -8,7 +8,10 @@ mesh with axes ``dp`` (data), ``cp`` (context) and ``tp`` (tensor):
 =================  =======  =========================================================
 logical axis       mesh     why
 =================  =======  =========================================================
-``batch``          ``dp``   data parallel
+``batch``          ``dp``,  data parallel (the expert-parallel devices too: each holds
+                   ``ep``   other tokens)
+``experts``        ``ep``   expert parallel: each device holds ``E / ep`` routed experts,
+                            tokens move by all-to-all (:mod:`.expert_dispatch`)
 ``sequence``       ``cp``   context parallel: activations split by token; the DSA ops
                             gather keys along the sequence and keep queries local
 ``heads``          ``tp``   tensor parallel over attention heads (q, out, lse, dq)
@@ -16,12 +19,14 @@ logical axis       mesh     why
 ``vocab``          ``tp``   embedding table and LM head split by vocabulary
 ``index_heads``    ``None`` the indexer is duplicated on every tensor shard, so its
                             top-k is identical on all of them (Megatron-LM's DSA)
-everything else    ``None`` ``embed``, ``q_lora``, ``kv_lora``, ``index_head_dim``,
-                            ``experts`` (no expert parallelism yet)
+everything else    ``None`` ``embed``, ``q_lora``, ``kv_lora``, ``index_head_dim``
 =================  =======  =========================================================
 
-A rule naming a mesh axis that the mesh lacks, or whose size does not divide the dim, is
-skipped, so one table serves every mesh (``dp=8`` alone, ``dp=2,cp=2,tp=2``, ...).
+A rule's mesh axes that the mesh lacks are left out, and of the rest the longest leading part
+whose size divides the dim is used (none if even the first does not), so one table serves
+every mesh (``dp=8`` alone, ``dp=2,cp=2,tp=2``, ``ep=8``, ...). To fold expert parallelism
+over the data- or context-parallel devices without an ``ep`` axis, map ``experts`` to them
+(``("experts", ("dp", "cp"))``: prime-rl's cp 8 x ep 8 on 8 GPUs).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from jax.sharding import PartitionSpec as P
 
 # Mesh axis names, in the order the example builds meshes (tensor parallel innermost: the
 # fastest links carry the most traffic).
-DATA, CONTEXT, TENSOR = "dp", "cp", "tp"
-MESH_AXES = (DATA, CONTEXT, TENSOR)
+DATA, EXPERT, CONTEXT, TENSOR = "dp", "ep", "cp", "tp"
+MESH_AXES = (DATA, EXPERT, CONTEXT, TENSOR)
 
-DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", DATA),
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # ep devices are data parallel for everything but the routed experts (as Megatron-LM and
+    # the PyTorch trainers fold expert parallelism over the data-parallel ranks)
+    ("batch", (DATA, EXPERT)),
     ("sequence", CONTEXT),
     ("heads", TENSOR),
     ("mlp", TENSOR),
@@ -48,7 +55,7 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),
     ("q_lora", None),
     ("kv_lora", None),
-    ("experts", None),
+    ("experts", EXPERT),
 )
 
 _RULES: contextvars.ContextVar = contextvars.ContextVar("jax_dsa_axis_rules", default=None)
@@ -81,7 +88,9 @@ def logical_to_spec(logical_axes, rules=None, mesh=None, shape=None) -> P:
       mesh: a ``Mesh``/``AbstractMesh``; rules naming axes it lacks are skipped.
       shape: the array's shape; a rule whose mesh axes do not divide the dim is skipped.
 
-    A mesh axis is used at most once per array (the first dim that claims it wins).
+    A mesh axis is used at most once per array (the first dim that claims it wins); a rule's
+    axes the mesh lacks are left out, and a rule is cut to its longest leading part that
+    divides the dim.
 
     Raises:
       ValueError: ``shape`` given with a different length than ``logical_axes``.
@@ -95,13 +104,15 @@ def logical_to_spec(logical_axes, rules=None, mesh=None, shape=None) -> P:
     for d, name in enumerate(logical_axes):
         target = table.get(name) if name is not None else None
         axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        if sizes is not None and any(a not in sizes for a in axes):
-            axes = ()
+        if sizes is not None:  # a rule's axes that the mesh lacks are left out
+            axes = tuple(a for a in axes if a in sizes)
         if any(a in used for a in axes):
             axes = ()
-        if axes and shape is not None and sizes is not None:
-            if shape[d] % math.prod(sizes[a] for a in axes):
-                axes = ()
+        if shape is not None and sizes is not None:
+            # the longest leading part of the rule that divides the dim (batch 2 on dp=2, ep=4
+            # splits over dp only)
+            while axes and shape[d] % math.prod(sizes[a] for a in axes):
+                axes = axes[:-1]
         used.update(axes)
         spec.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
     return P(*spec)

@@ -44,17 +44,19 @@ class DeepseekV4DecoderLayer(nnx.Module):
     def __call__(self, streams, input_ids, positions, segment_ids, **attn_kwargs):
         """``streams [B, S, hc_mult, hidden]``, ``input_ids [B, S]`` -> ``(streams, aux)``: the
         attention's aux plus ``aux["expert_load"]``, the MoE block's tokens per expert
-        (``[n_routed_experts]`` int32); keyword arguments as in
+        (``[n_routed_experts]`` int32) and ``aux["expert_overflow"]`` (pairs a capped
+        expert-parallel buffer dropped, int32 scalar); keyword arguments as in
         :meth:`DeepseekV4Attention.__call__` (``implementation`` also reaches the experts'
         grouped matmuls)."""
         x, post, comb = self.attn_hc(streams)
         a, aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, **attn_kwargs)
         streams = constrain(HyperConnection.expand(a, streams, post, comb), STREAM_AXES)
         x, post, comb = self.ffn_hc(streams)
-        m, load = self.mlp(self.post_attention_layernorm(x), input_ids,
-                           implementation=attn_kwargs.get("implementation"), return_load=True)
+        m, load, overflow = self.mlp(self.post_attention_layernorm(x), input_ids,
+                                     implementation=attn_kwargs.get("implementation"),
+                                     return_load=True, return_overflow=True)
         streams = constrain(HyperConnection.expand(m, streams, post, comb), STREAM_AXES)
-        return streams, {**aux, "expert_load": load}
+        return streams, {**aux, "expert_load": load, "expert_overflow": overflow}
 
 
 __all__ = ["STREAM_AXES", "DeepseekV4DecoderLayer"]

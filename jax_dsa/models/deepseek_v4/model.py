@@ -123,7 +123,9 @@ class DeepseekV4LanguageModel(nnx.Module):
           ``aux["expert_load"]``: a tuple with one ``[n_routed_experts]`` int32 per MoE block
           (every layer, then each MTP depth): the tokens each expert received, for
           :func:`jax_dsa.nn.experts.update_router_biases` (matching
-          :func:`jax_dsa.nn.experts.moe_blocks`).
+          :func:`jax_dsa.nn.experts.moe_blocks`). ``aux["expert_overflow"]``: one int32 scalar
+          per MoE block, the pairs a capped expert-parallel buffer dropped (0 unless
+          ``capacity_factor`` is set: :func:`jax_dsa.nn.experts.set_expert_dispatch`).
 
         Raises:
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
@@ -137,7 +139,7 @@ class DeepseekV4LanguageModel(nnx.Module):
         streams = constrain(
             jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], c.hc_mult, x.shape[-1])),
             STREAM_AXES)
-        losses, all_indices, all_lengths, loads = [], [], [], []
+        losses, all_indices, all_lengths, loads, overflows = [], [], [], [], []
         for layer in self.layers:
             streams, aux = layer(
                 streams, input_ids, positions, segment_ids, attention_mode=attention_mode,
@@ -148,6 +150,7 @@ class DeepseekV4LanguageModel(nnx.Module):
             all_indices.append(aux["indices"])
             all_lengths.append(aux["topk_length"])
             loads.append(aux["expert_load"])
+            overflows.append(aux["expert_overflow"])
         x = constrain(self.norm(self.hc_head(streams)), ("batch", "sequence", "embed"))
         logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
         mtp_logits = []
@@ -161,8 +164,10 @@ class DeepseekV4LanguageModel(nnx.Module):
             mtp_logits.append(constrain(self.lm_head(h).astype(jnp.float32),
                                         ("batch", "sequence", "vocab")))
             loads.append(aux["expert_load"])
+            overflows.append(aux["expert_overflow"])
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
-        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads)}
+        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads),
+                   "expert_overflow": tuple(overflows)}
         if self.mtp is not None:
             out_aux["mtp_logits"] = tuple(mtp_logits)
         if return_indices:

@@ -57,7 +57,7 @@ class _Router(nnx.Module):
         self.config = config
         self.weight = param(
             rngs, nnx.initializers.normal(c.initializer_range), (c.n_routed_experts, c.hidden_size),
-            jnp.float32, ("experts", "embed"),
+            jnp.float32, (None, "embed"),  # every token scores every expert: whole
         )
 
     def scores(self, x):
@@ -76,7 +76,7 @@ class TopkRouter(_Router):
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs):
         super().__init__(config, rngs=rngs)
         self.e_score_correction_bias = Buffer(
-            jnp.zeros((config.n_routed_experts,), jnp.float32), out_sharding=("experts",),
+            jnp.zeros((config.n_routed_experts,), jnp.float32), out_sharding=(None,),
             eager_sharding=False,
         )
 
@@ -198,18 +198,23 @@ class DeepseekV4MoE(nnx.Module):
         self.experts = V4Experts(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.shared_experts = V4MLP(c, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, input_ids=None, *, implementation=None, return_load=False):
+    def __call__(self, x, input_ids=None, *, implementation=None, return_load=False,
+                 return_overflow=False):
         """``x [..., hidden_size]``, ``input_ids`` of shape ``x.shape[:-1]`` (needed by hash
         layers) -> ``[..., hidden_size]`` in the compute dtype; ``(out, load [n_routed_experts]
-        int32)`` (tokens per expert) with ``return_load``. ``implementation``: for the experts'
-        grouped matmuls (``None``: the op's default order)."""
+        int32)`` (tokens per expert) with ``return_load``, and then the pairs a capped
+        expert-parallel buffer dropped (int32 scalar) with ``return_overflow``.
+        ``implementation``: for the experts' grouped matmuls (``None``: the op's default
+        order)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids = None if input_ids is None else input_ids.reshape(-1)
         w, idx = self.gate(flat, ids)
-        y, load = self.experts(flat, w, idx, implementation=implementation, return_load=True)
+        y, load, overflow = self.experts(flat, w, idx, implementation=implementation,
+                                         return_load=True, return_overflow=True)
         out = (y + self.shared_experts(flat)).reshape(shape)
-        return (out, load) if return_load else out
+        extra = (load,) * return_load + (overflow,) * return_overflow
+        return (out, *extra) if extra else out
 
 __all__ = [
     "DeepseekV4MoE", "HashRouter", "TopkRouter", "V4Experts", "V4MLP", "default_tid2eid", "score",

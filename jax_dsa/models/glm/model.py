@@ -69,20 +69,21 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, segment_ids, **attn_kwargs):
         """``x [B, S, hidden]`` -> ``(x [B, S, hidden], aux)``: the attention's aux plus
         ``aux["expert_load"]``, the MoE block's tokens per expert (``[n_routed_experts]``
-        int32; ``None`` on a dense layer). See
+        int32; ``None`` on a dense layer) and ``aux["expert_overflow"]``, the pairs a capped
+        expert-parallel buffer dropped (int32 scalar; ``None`` on a dense layer). See
         :meth:`jax_dsa.models.glm.attention.DSAAttention.__call__` for the keyword arguments;
         ``implementation`` also reaches the experts' grouped matmuls."""
         a, aux = self.self_attn(self.input_layernorm(x), positions, segment_ids, **attn_kwargs)
         x = x + a.astype(x.dtype)
         h = self.post_attention_layernorm(x)
-        load = None
+        load = overflow = None
         if isinstance(self.mlp, MoE):
-            m, load = self.mlp(h, implementation=attn_kwargs.get("implementation"),
-                               return_load=True)
+            m, load, overflow = self.mlp(h, implementation=attn_kwargs.get("implementation"),
+                                         return_load=True, return_overflow=True)
         else:
             m = self.mlp(h)
         x = x + m.astype(x.dtype)
-        return x, {**aux, "expert_load": load}
+        return x, {**aux, "expert_load": load, "expert_overflow": overflow}
 
 
 class DSALanguageModel(nnx.Module):
@@ -132,7 +133,9 @@ class DSALanguageModel(nnx.Module):
           ``aux["expert_load"]``: a tuple with one ``[n_routed_experts]`` int32 per MoE layer, in
           layer order (empty for an all-dense model): the tokens each expert received, for
           :func:`jax_dsa.nn.experts.update_router_biases` (matching
-          :func:`jax_dsa.nn.experts.moe_blocks`).
+          :func:`jax_dsa.nn.experts.moe_blocks`). ``aux["expert_overflow"]``: one int32 scalar
+          per MoE layer, the (token, slot) pairs a capped expert-parallel buffer dropped
+          (0 unless ``capacity_factor`` is set: :func:`jax_dsa.nn.experts.set_expert_dispatch`).
 
         Raises:
           ValueError: ``input_ids`` not ``[B, S]``, bad positions / segment ids, unknown mode.
@@ -145,7 +148,7 @@ class DSALanguageModel(nnx.Module):
 
         x = constrain(self.embed_tokens(input_ids), ("batch", "sequence", "embed"))
         shared = None
-        losses, all_indices, loads = [], [], []
+        losses, all_indices, loads, overflows = [], [], [], []
         for i, layer in enumerate(self.layers):
             full = c.has_indexer(i)
             # dense mode: every layer attends to every visible key (dense_mla), no slot list
@@ -162,10 +165,12 @@ class DSALanguageModel(nnx.Module):
             all_indices.append(aux["indices"])
             if aux["expert_load"] is not None:
                 loads.append(aux["expert_load"])
+                overflows.append(aux["expert_overflow"])
         x = self.norm(x)
         logits = constrain(self.lm_head(x).astype(jnp.float32), ("batch", "sequence", "vocab"))
         indexer_loss = jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
-        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads)}
+        out_aux = {"indexer_loss": indexer_loss, "expert_load": tuple(loads),
+                   "expert_overflow": tuple(overflows)}
         if return_indices:
             out_aux["indices"] = tuple(all_indices)
         return logits, out_aux

@@ -48,10 +48,10 @@ class TopkRouter(nnx.Module):
         self.config = config
         self.weight = param(
             rngs, nnx.initializers.normal(c.initializer_range), (c.n_routed_experts, c.hidden_size),
-            jnp.float32, ("experts", "embed"),
+            jnp.float32, (None, "embed"),  # every token scores every expert: whole
         )
         self.e_score_correction_bias = Buffer(
-            jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("experts",),
+            jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=(None,),
             eager_sharding=False,
         )
 
@@ -118,17 +118,21 @@ class MoE(nnx.Module):
             param_dtype=param_dtype, init_std=c.initializer_range,
         )
 
-    def __call__(self, x, *, implementation=None, return_load=False):
+    def __call__(self, x, *, implementation=None, return_load=False, return_overflow=False):
         """``x [..., hidden_size]`` -> ``[..., hidden_size]`` in the compute dtype.
 
         ``implementation``: for the experts' grouped matmuls
         (:meth:`~jax_dsa.nn.experts.Experts.__call__`; ``None``: the op's default order).
         ``return_load``: return ``(out, load)`` with ``load [n_routed_experts]`` int32 the tokens
         each expert received (what DeepSeek-V3's bias update balances,
-        :func:`jax_dsa.nn.experts.update_router_biases`)."""
+        :func:`jax_dsa.nn.experts.update_router_biases`). ``return_overflow``: also return the
+        (token, slot) pairs a capped expert-parallel buffer dropped (int32 scalar; then
+        ``(out, load, overflow)``)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat)
-        y, load = self.experts(flat, w, idx, implementation=implementation, return_load=True)
+        y, load, overflow = self.experts(flat, w, idx, implementation=implementation,
+                                         return_load=True, return_overflow=True)
         out = (y + self.shared_experts(flat)).reshape(shape)
-        return (out, load) if return_load else out
+        extra = (load,) * return_load + (overflow,) * return_overflow
+        return (out, *extra) if extra else out
