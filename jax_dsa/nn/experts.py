@@ -132,8 +132,8 @@ class Experts(nnx.Module):
             args = tuple(jax.sharding.reshard(a, sp) for a, sp in zip(args, specs))
         if ep:
             mode = self.dispatch or default_mode()
-            mix = functools.partial(_ep_mix, mix=mix, ep=ep, mode=mode,
-                                    capacity_factor=self.capacity_factor)
+            mix = functools.partial(_ep_mix, ep=ep, mode=mode,
+                                    capacity_factor=self.capacity_factor, **mix.keywords)
         else:
             mix = functools.partial(_with_overflow, mix)
 
@@ -319,15 +319,14 @@ def _with_overflow(mix, *args):
     return y, load, jnp.zeros((), jnp.int32)
 
 
-def _ep_mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, mix, ep, mode,
-            capacity_factor):
+def _ep_mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, ep, mode,
+            capacity_factor, n_experts, limit, implementation):
     """:func:`_mix` inside ``shard_map`` with the experts split over the mesh axes ``ep``:
     this device's pairs, sorted by expert, go to the devices of their experts
     (:func:`jax_dsa.sharding.expert_dispatch.dispatch`), are sorted there by local expert and
     run through the grouped matmuls on this device's ``E / ep`` experts, and come back
     (:func:`~jax_dsa.sharding.expert_dispatch.combine`) to the same k-sum. Returns ``(out,
     tokens per expert [E] of this device's tokens, pairs dropped here)``."""
-    n_experts = mix.keywords["n_experts"]
     local = gate_proj.shape[0]  # E / ep
 
     def exchange(xs, group_sizes, *weights):
@@ -340,11 +339,12 @@ def _ep_mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, mix
         order, inverse, sizes = _sort_pairs(
             dispatch_lib.receive_keys(p, received.shape[0]), local + 1)  # padding last
         ys = _ffn(_permute(received, order, inverse), sizes[:local], *weights,
-                  limit=mix.keywords["limit"], implementation=mix.keywords["implementation"])
+                  limit=limit, implementation=implementation)
         ys = _permute(ys, inverse, order)
         return dispatch_lib.combine(ys, p, axis=ep, mode=mode, pairs=pairs), p.overflow
 
-    return mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, ffn=exchange)
+    return _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj,
+                n_experts=n_experts, limit=limit, implementation=implementation, ffn=exchange)
 
 
 # DeepSeek-V3's auxiliary-loss-free load balancing -----------------------------------------------

@@ -164,10 +164,10 @@ def receive_keys(p: Plan, rows: int):
 
 @jax.custom_vjp
 def gather_rows(a, idx, valid, inverse, inverse_valid):
-    """``where(valid, a[idx], 0)`` (``[len(idx), ...]``), for a map whose valid entries are
-    one-to-one with the valid entries of ``inverse`` (``a``'s row ``inverse[j]`` goes to row
-    ``j`` ... and back); backward: ``where(inverse_valid, d[inverse], 0)``, a gather where
-    autodiff would scatter-add."""
+    """``where(valid, a[idx], 0)`` (``[len(idx), ...]``) for a one-to-one map between the valid
+    entries: output row ``j`` reads ``a[idx[j]]`` exactly when ``a``'s row ``idx[j]`` names
+    ``j`` back (``inverse[idx[j]] == j``, ``inverse_valid`` there). Backward:
+    ``where(inverse_valid, d[inverse], 0)``, a gather where autodiff would scatter-add."""
     return _masked(a[idx], valid)
 
 
