@@ -18,6 +18,7 @@ one device, on the 8 CPU devices of tests/conftest.py.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -178,31 +179,38 @@ GLM = ("glm5-tiny", (("n_routed_experts", E), ("num_experts_per_tok", K),
 V4_EP = (V4, (("num_hidden_layers", 2), ("n_routed_experts", E)))  # hash, then top-k
 
 
-@pytest.mark.parametrize("case,sizes,kind", [
-    (GLM, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Explicit),
-    (V4_EP, {"dp": 2, "ep": 4}, AxisType.Explicit),
-    pytest.param(GLM, {"ep": 8}, AxisType.Auto, marks=pytest.mark.slow),
-    pytest.param(V4_EP, {"ep": 8}, AxisType.Explicit, marks=pytest.mark.slow),
-    pytest.param(V4_EP, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Auto, marks=pytest.mark.slow),
-], ids=["glm-ep2cp2tp2", "v4-dp2ep4", "glm-ep8-auto", "v4-ep8", "v4-ep2cp2tp2-auto"])
-def test_models_on_ep_meshes_equal_one_device(case, sizes, kind):
+@pytest.mark.parametrize("case,sizes,kind,rules", [
+    (GLM, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Explicit, DEFAULT_RULES),
+    (V4_EP, {"dp": 2, "ep": 4}, AxisType.Explicit, DEFAULT_RULES),
+    pytest.param(GLM, {"ep": 8}, AxisType.Auto, DEFAULT_RULES, marks=pytest.mark.slow),
+    pytest.param(V4_EP, {"ep": 8}, AxisType.Explicit, DEFAULT_RULES, marks=pytest.mark.slow),
+    pytest.param(V4_EP, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Auto, DEFAULT_RULES,
+                 marks=pytest.mark.slow),
+    pytest.param(V4_EP, {"dp": 2, "cp": 2}, AxisType.Explicit, FOLD_DP, marks=pytest.mark.slow),
+    pytest.param(GLM, {"dp": 2, "cp": 2, "tp": 2}, AxisType.Explicit, FOLD_DP_CP,
+                 marks=pytest.mark.slow),
+], ids=["glm-ep2cp2tp2", "v4-dp2ep4", "glm-ep8-auto", "v4-ep8", "v4-ep2cp2tp2-auto",
+        "v4-experts-on-dp2", "glm-experts-on-dp2cp2"])
+def test_models_on_ep_meshes_equal_one_device(case, sizes, kind, rules):
     """Logits, LM and indexer losses and every gradient (the experts' included) equal one
     device; the compiled step moves pairs by all-to-all and never gathers expert weights; each
-    device holds E / ep experts of every MoE layer, and their gradients stay split."""
+    device holds E / ep experts of every MoE layer, and their gradients stay split. The last
+    two fold ep over dp (and cp) by the rules, without an ep axis."""
     preset, overrides = case
     graphdef, params, rest, logical, (ids, pos, seg) = model_and_batch(preset, **dict(overrides))
-    f = step(graphdef, "sparse")
-    want = f(params, rest, ids, pos, seg, targets_of(ids))
+    want = step(graphdef, "sparse")(params, rest, ids, pos, seg, targets_of(ids))
+    f = step.__wrapped__(graphdef, "sparse")  # a fresh jit: each rule table traces its own
     mesh = make_mesh(sizes, kind)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), axis_rules(rules):
         p, _, _ = place(mesh, params, logical, ())
         tokens = NamedSharding(mesh, logical_to_spec(("batch", "sequence"), mesh=mesh,
                                                      shape=ids.shape))  # batch 2: dp, not ep
         batch = [jax.device_put(a, tokens) for a in (ids, pos, seg, targets_of(ids))]
         compiled = f.lower(p, rest, *batch).compile()
         got = compiled(p, rest, *batch)
+        axes = logical_to_spec(("experts",), mesh=mesh)[0]
+    ep = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
     check(got, want)
-    ep = sizes.get("ep")
     ops = collectives(compiled.as_text())
     assert any(op == "all-to-all" for op, _ in ops), ops
     gathered = [s for op, shapes in ops if op == "all-gather" for s in shapes

@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa.nn.layers import param
@@ -80,7 +80,7 @@ class Experts(nnx.Module):
     capacity_factor: float | None = None
 
     def __call__(self, x, topk_weights, topk_indices, *, implementation=None,
-                 return_load=False, return_overflow=False):
+                 return_load=False, return_overflow=False, token_shape=None):
         """``x [T, hidden]``, ``topk_weights``/``topk_indices [T, k]`` -> ``[T, hidden]`` (compute
         dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``.
 
@@ -91,7 +91,10 @@ class Experts(nnx.Module):
         all shards included). ``return_overflow``: also return the (token, slot) pairs that a
         capped expert-parallel buffer dropped (int32 scalar, all shards; their contribution is
         zero; always 0 without expert parallelism or ``capacity_factor``). Results in the order
-        ``(out, load, overflow)``.
+        ``(out, load, overflow)``. ``token_shape``: ``(B, S)`` when ``T`` flattens a batch
+        (the MoE blocks pass it): on ``Auto`` mesh axes the tokens are pinned to the rules'
+        ``batch``, ``sequence`` placement on the way in and out, so that the exchange's layout
+        does not propagate into the attention around it.
 
         Expert parallelism: when the logical-axis rules map ``experts`` to mesh axes of the mesh
         in context (``ep``), each device holds ``n_routed_experts / ep`` experts and the pairs
@@ -120,8 +123,9 @@ class Experts(nnx.Module):
             inner = typed_spec(weights[0])[1]
             inner = None if inner is None or set(_axes(inner)) & set(ep) else inner
         else:
-            tok = _auto_token_axes(x.shape[0], ep)
+            tok = _auto_token_axes(x.shape[0], ep, token_shape)
             inner = _auto_inner(weights[0].shape[1], ep)
+        natural = tok
         tok = _token_axes(tok, ep, x.shape[0])
         tok_entry = None if not tok else (tok[0] if len(tok) == 1 else tok)
         ep_entry = None if not ep else (ep[0] if len(ep) == 1 else ep)
@@ -130,6 +134,8 @@ class Experts(nnx.Module):
         args = (x.astype(self.dtype), topk_weights, topk_indices, *weights)
         if explicit:
             args = tuple(jax.sharding.reshard(a, sp) for a, sp in zip(args, specs))
+        elif natural != tok:  # Auto: a hard boundary for sharding propagation, both ways
+            args = tuple(_pin(a, natural) for a in args[:3]) + args[3:]
         if ep:
             mode = self.dispatch or default_mode()
             mix = functools.partial(_ep_mix, ep=ep, mode=mode,
@@ -150,6 +156,8 @@ class Experts(nnx.Module):
                                           check_vma=False)(*args)
         if explicit and typed_spec(y) != typed_spec(x):
             y = jax.sharding.reshard(y, P(*typed_spec(x)))
+        elif not explicit and natural != tok:
+            y = _pin(y, natural)
         return _results(y, load, overflow, return_load, return_overflow)
 
 
@@ -177,15 +185,27 @@ def expert_axes(n_experts: int) -> tuple[str, ...]:
     return _axes(logical_to_spec(("experts",), mesh=mesh)[0])
 
 
-def _auto_token_axes(t: int, ep: tuple[str, ...]) -> tuple[str, ...]:
+def _auto_token_axes(t: int, ep: tuple[str, ...], token_shape) -> tuple[str, ...]:
     """On Auto axes (no typed sharding to read): the axes the rules split tokens over, batch
-    then sequence (the [B, S] -> [B * S] flattening's order), cut to what divides ``t``."""
+    then sequence (the [B, S] -> [B * S] flattening's order): with ``token_shape`` as the rules
+    place a ``[B, S]`` batch, else those that are not expert axes, cut to what divides ``t``."""
     mesh = jax.sharding.get_abstract_mesh()
+    if token_shape is not None and len(token_shape) == 2:
+        spec = logical_to_spec(("batch", "sequence"), mesh=mesh, shape=tuple(token_shape))
+        return tuple(a for e in spec for a in _axes(e))
     spec = logical_to_spec(("batch", "sequence"), mesh=mesh)
     axes = tuple(a for e in spec for a in _axes(e) if a not in ep)
     while axes and t % math.prod(mesh.shape[a] for a in axes + ep):
         axes = axes[:-1]
     return axes
+
+
+def _pin(a, axes: tuple[str, ...]):
+    """``a`` (tokens first) constrained to its tokens split over ``axes`` (Auto axes)."""
+    entry = None if not axes else (axes[0] if len(axes) == 1 else axes)
+    spec = P(entry, *(None,) * (a.ndim - 1))
+    return jax.lax.with_sharding_constraint(
+        a, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
 
 
 def _auto_inner(i: int, ep: tuple[str, ...]):

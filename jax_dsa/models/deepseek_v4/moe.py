@@ -211,7 +211,8 @@ class DeepseekV4MoE(nnx.Module):
         ids = None if input_ids is None else input_ids.reshape(-1)
         w, idx = self.gate(flat, ids)
         y, load, overflow = self.experts(flat, w, idx, implementation=implementation,
-                                         return_load=True, return_overflow=True)
+                                         return_load=True, return_overflow=True,
+                                         token_shape=shape[:-1])
         out = (y + self.shared_experts(flat)).reshape(shape)
         extra = (load,) * return_load + (overflow,) * return_overflow
         return (out, *extra) if extra else out

@@ -132,7 +132,8 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, shape[-1])
         w, idx = self.gate(flat)
         y, load, overflow = self.experts(flat, w, idx, implementation=implementation,
-                                         return_load=True, return_overflow=True)
+                                         return_load=True, return_overflow=True,
+                                         token_shape=shape[:-1])
         out = (y + self.shared_experts(flat)).reshape(shape)
         extra = (load,) * return_load + (overflow,) * return_overflow
         return (out, *extra) if extra else out
