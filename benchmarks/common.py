@@ -138,3 +138,25 @@ def kernel_times(step, args, steps: int, top: int) -> dict:
                for name, ns in total.most_common(top)]
     return {"wall_ms_traced": round(1e3 * wall, 3), "busy_ms": round(busy / steps / 1e6, 3),
             "kernels": kernels}
+
+
+def matmul_tflops(n: int = 8192, chain: int = 10, reps: int = 10) -> float:
+    """TFLOP/s of bf16 ``n^3`` ``jnp.dot`` in this process: the median over ``reps`` of one jitted
+    call that runs ``chain`` dependent matmuls back to back, so the host's launch and
+    synchronisation latency (tens of microseconds against a ~1.5 ms matmul) is paid once per
+    ``chain``. The same-run reference for the benchmarks' ratios."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) * (1.0 / n**0.5)
+    f = jax.jit(lambda a, b: jax.lax.fori_loop(0, chain, lambda _, c: c @ b, a))
+    for _ in range(2):
+        jax.block_until_ready(f(a, b))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * n**3 * chain / times[len(times) // 2] / 1e12

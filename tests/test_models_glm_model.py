@@ -29,8 +29,9 @@ def test_shapes_and_jit_bfloat16():
     f = nnx.jit(lambda m, ids: m(ids, attention_mode="sparse"))
     logits, aux = f(model, ids)
     assert logits.shape == (2, 32, c.vocab_size) and logits.dtype == jnp.float32
-    assert set(aux) == {"indexer_loss", "expert_load"} and aux["indexer_loss"].shape == ()
-    assert aux["expert_load"] == ()  # the tiny presets are all dense
+    assert set(aux) == {"indexer_loss", "expert_load", "expert_overflow"}
+    assert aux["indexer_loss"].shape == ()
+    assert aux["expert_load"] == () and aux["expert_overflow"] == ()  # the tiny presets are dense
     assert aux["indexer_loss"].dtype == jnp.float32 and bool(jnp.isfinite(aux["indexer_loss"]))
     assert bool(jnp.all(jnp.isfinite(logits)))
     # HF-style names at the top level.

@@ -228,7 +228,7 @@ def test_models_on_ep_meshes_equal_one_device(case, sizes, kind, rules):
 
 
 def test_load_hf_onto_an_ep_mesh_streams_each_devices_experts(tmp_path, monkeypatch):
-    """A checkpoint (16 experts a layer, one tensor per expert) loaded onto ep=4: each
+    """A sharded checkpoint (16 experts a layer, one tensor per expert) loaded onto ep=4: each
     device's callback reads its own 4 experts (every expert tensor read once: no host holds a
     layer's experts), the values and the logits equal the one-device load, and saving the ep
     model writes the same tensors back."""
@@ -236,7 +236,8 @@ def test_load_hf_onto_an_ep_mesh_streams_each_devices_experts(tmp_path, monkeypa
     from jax_dsa.interop.reading import CheckpointSource
     from test_interop import _flat, _model, _tiny
 
-    save_hf(_model(_tiny(n_routed_experts=E)), tmp_path / "ckpt")
+    files = save_hf(_model(_tiny(n_routed_experts=E)), tmp_path / "ckpt", max_shard_size="20KB")
+    assert len([f for f in files if str(f).endswith(".safetensors")]) > 1  # a sharded checkpoint
     plain = load_hf(tmp_path / "ckpt", dtype=jnp.float32)
     reads = []
     read = CheckpointSource.read

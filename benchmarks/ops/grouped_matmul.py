@@ -4,9 +4,11 @@ moe_intermediate 2048), 16K tokens x top-8 = 131072 routed rows, random routing,
 The mix, as the MoE layers run it (weights in the checkpoints' [E, out, in] layout,
 ``transpose_rhs``): gate = x Wgᵀ, up = x Wuᵀ, a = silu(gate) * up, y = a Wdᵀ; forward alone
 (6·M·D·F FLOP) and forward+backward (18·M·D·F) in TFLOP/s, each as a fraction of the same
-process's dense bf16 matmul (8192³). ``--torch`` also times ``torch._grouped_mm`` on the same
-shapes in a separate process (JAX holds the GPU's memory), with its own same-process 8192³
-matmul. Host wall-clock medians of --runs after 3 warm-ups. Accuracy: tests/test_ops_grouped_matmul.py.
+process's dense bf16 matmul (8192³, :func:`benchmarks.common.matmul_tflops`). ``--torch`` also
+times ``torch._grouped_mm`` on the same shapes in a separate process (JAX holds the GPU's memory),
+with its own 8192³ matmul (cuBLAS, CUDA events); each JAX row is then also given as a fraction of
+that matmul, the stronger reference where it is faster. JAX rows: host wall-clock medians of
+--runs after 3 warm-ups. Accuracy: tests/test_ops_grouped_matmul.py.
 
     python benchmarks/ops/grouped_matmul.py [--experts 8,64,256] [--impl cuda] [--torch] [--out [FILE]]
 """
@@ -43,13 +45,6 @@ def median_ms(f, args, n, warm=3):
     return float(np.median(times))
 
 
-def matmul_tflops(n_runs):
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-    ms = median_ms(jax.jit(jnp.matmul), (a, b), n_runs)
-    return 2 * 8192**3 / ms / 1e9
-
-
 def mix(impl):
     def run(x, wg, wu, wd, sizes):
         kw = dict(transpose_rhs=True, implementation=impl)
@@ -67,7 +62,7 @@ def mix(impl):
 
 
 def jax_rows(experts, impl, n_runs):
-    dense = matmul_tflops(n_runs)
+    dense = common.matmul_tflops()
     rows = []
     for e in experts:
         rng = np.random.default_rng(e)
@@ -148,6 +143,11 @@ def main():
     result["matmul_tflops"], result["rows"] = jax_rows(experts, args.impl, args.runs)
     print(f"same-process bf16 matmul 8192^3: {result['matmul_tflops']:.0f} TFLOP/s")
     torch_rows = {r["experts"]: r for r in result.get("torch_grouped_mm", {}).get("rows", [])}
+    torch_mm = result.get("torch_grouped_mm", {}).get("matmul_tflops")
+    if torch_mm:
+        print(f"torch (cuBLAS) bf16 matmul 8192^3: {torch_mm:.0f} TFLOP/s")
+        for r in result["rows"]:
+            r["fwd_bwd_vs_torch_matmul"] = r["fwd_bwd_tflops"] / torch_mm
     for r in result["rows"]:
         t = torch_rows.get(r["experts"], {})
         print(f"E {r['experts']:4d}: fwd {r['fwd_tflops']:.0f}, fwd+bwd {r['fwd_bwd_tflops']:.0f} "
