@@ -235,7 +235,8 @@ def test_given_lse_is_checked(cuda_op):
         loss_and_grads(cuda_op, x, 0.1, "xla", lse=np.zeros((1, 8, 4), np.int32))
 
 
-@pytest.mark.parametrize("given_lse,shuffle", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("given_lse,shuffle", [
+    pytest.param(False, False, marks=pytest.mark.slow), (True, True), (False, True)])
 def test_dense_glue_matches_the_oracle(reference_kernels, monkeypatch, given_lse, shuffle):
     """The dense form over several key chunks (CHUNK cut to 16): rows whose keys span 1-3 chunks,
     packed documents, keys stored out of order; with the dense lse recomputed or given."""
