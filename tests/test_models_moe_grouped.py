@@ -370,24 +370,41 @@ def test_v4_presets_build_the_real_moe_layers():
         assert c.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * (c.num_hidden_layers - 3)
 
 
-# GPU: "cuda" against "xla" at GLM-5's expert dims --------------------------------------------
+# GPU: "cuda" against "xla" at GLM-5's and DeepSeek-V4-Flash's expert dims -------------------
 
 
-@pytest.mark.gpu
-def test_cuda_moe_matches_xla_at_glm5_dims():
-    """A GLM-5-dimension MoE layer (hidden 6144, moe_intermediate 2048; 8 experts, top-2, 1024
-    tokens, bfloat16): output and gradients on "cuda" equal "xla" within bf16 tolerance."""
+def _glm5_block():
     c = dataclasses.replace(get_config("glm5"), n_routed_experts=8, num_experts_per_tok=2,
                             n_group=1, topk_group=1, num_hidden_layers=4,
                             mlp_layer_types=("sparse",) * 4, indexer_types=None)
-    moe = MoE(c, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    return MoE(c, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+
+def _v4_flash_block(layer_idx):
+    c = get_config("deepseek-v4-flash", n_routed_experts=16)  # top-6, SwiGLU clip
+    return DeepseekV4MoE(c, layer_idx, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                         param_dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["glm5", "v4-flash-hash", "v4-flash-topk"])
+def test_cuda_moe_matches_xla_at_model_dims(name):
+    """A MoE block at the model's expert dims (GLM-5: hidden 6144, moe_intermediate 2048, 8
+    experts, top-2; DeepSeek-V4-Flash: hidden 4096, moe_intermediate 2048, 16 experts, top-6,
+    its hash-routed first layer and a top-k layer), 1024 tokens, bfloat16: output and gradients
+    on "cuda" equal "xla" within bf16 tolerance, and the loads are equal."""
+    moe = {"glm5": _glm5_block, "v4-flash-hash": lambda: _v4_flash_block(0),
+           "v4-flash-topk": lambda: _v4_flash_block(3)}[name]()
+    c = moe.config
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     x = jax.random.normal(jax.random.key(1), (1024, c.hidden_size), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(2), (1024,), 0, c.vocab_size, jnp.int32)
+    kw = {"input_ids": ids} if name.startswith("v4") else {}
 
     def run(impl):
         def loss(params, x):
             out, load = nnx.merge(graphdef, params, rest)(x, implementation=impl,
-                                                          return_load=True)
+                                                          return_load=True, **kw)
             return jnp.sum(out.astype(jnp.float32) ** 2), (out, load)
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)

@@ -154,38 +154,49 @@ def test_cuda_matches_float64_oracle(name, transpose_rhs):
     assert not np.asarray(out.astype(jnp.float32))[end:].any()
 
 
+# The models' expert products at 16K tokens: (rows = tokens x top-k, K, N, groups, transpose_rhs).
+MODEL_DIMS = {
+    "glm5 gate, 8 experts": (131072, 6144, 2048, 8, False),
+    "glm5 gate, 256 experts": (131072, 6144, 2048, 256, False),
+    "v4-flash gate, 256 experts": (98304, 4096, 2048, 256, True),
+    "v4-flash down, 256 experts": (98304, 2048, 4096, 256, True),
+    "v4-pro gate, 384 experts": (98304, 7168, 3072, 384, True),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("groups", [8, 256])
-def test_cuda_glm5_expert_dims(groups):
-    """GLM-5's gate projection (K 6144 -> N 2048), 16K tokens x top-8 = 131072 rows: forward and
-    input gradient on sampled rows of every group, weight gradient on sampled groups, against
-    float64."""
-    rng = np.random.default_rng(groups)
-    m, k, n = 131072, 6144, 2048
+@pytest.mark.parametrize("name", sorted(MODEL_DIMS))
+def test_cuda_model_expert_dims(name):
+    """GLM-5's and DeepSeek V4's expert products at 16K tokens (the layers' [E, out, in] weights
+    with ``transpose_rhs``): forward and input gradient on sampled rows of 8 sampled groups,
+    weight gradient on 64 sampled K rows of 2 groups, against float64."""
+    m, k, n, groups, transpose_rhs = MODEL_DIMS[name]
+    rng = np.random.default_rng(groups + k)
     sizes = rng.multinomial(m, np.ones(groups) / groups).astype(np.int32)
+    shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    rhs = (jax.random.normal(jax.random.key(1), (groups, k, n), jnp.float32) / 64).astype(
-        jnp.bfloat16)
+    # in 8 calls: one would hold 4-byte random bits for every weight (34 GB at V4-Pro's)
+    rhs = jnp.concatenate([jax.random.normal(key, (groups // 8,) + shape[1:], jnp.bfloat16) / 64
+                           for key in jax.random.split(jax.random.key(1), 8)])
     dout = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
-    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, implementation="cuda"), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, transpose_rhs=transpose_rhs,
+                                                   implementation="cuda"), lhs, rhs)
     d_lhs, d_rhs = vjp(dout)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    rows = np.unique(np.concatenate([s + rng.integers(0, max(z, 1), 2) for s, z in
-                                     zip(starts, sizes) if z > 0]))
-    group_of = np.searchsorted(np.cumsum(sizes), rows, side="right")
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
-    a, g = f64(lhs[rows]), f64(dout[rows])
-    want_out, want_dl = np.zeros((len(rows), n)), np.zeros((len(rows), k))
-    for e in np.unique(group_of):  # one expert's weights at a time: no [rows, K, N] gather
-        mine, w = group_of == e, f64(rhs[e])
-        want_out[mine], want_dl[mine] = a[mine] @ w, g[mine] @ w.T
-    assert _rel(out[rows], want_out) <= 1e-2
-    assert _rel(d_lhs[rows], want_dl) <= 1e-2
-    ks = np.sort(rng.choice(k, 64, replace=False))  # 64 of d_rhs's K rows: float64 stays cheap
+    weight = lambda e: f64(rhs[e]).T if transpose_rhs else f64(rhs[e])  # noqa: E731  [K, N]
+    for e in rng.choice(groups, min(groups, 8), replace=False):  # float64 stays cheap
+        rows = starts[e] + rng.integers(0, max(sizes[e], 1), 3) if sizes[e] else []
+        if len(rows):
+            w = weight(e)
+            assert _rel(out[rows], f64(lhs[rows]) @ w) <= 1e-2
+            assert _rel(d_lhs[rows], f64(dout[rows]) @ w.T) <= 1e-2
+    ks = np.sort(rng.choice(k, 64, replace=False))
     for e in rng.choice(groups, 2, replace=False):
         sl = slice(starts[e], starts[e] + sizes[e])
-        want = f64(lhs[sl][:, ks]).T @ f64(dout[sl])
-        assert _rel(d_rhs[e][ks], want) <= 1e-2
+        want = f64(lhs[sl][:, ks]).T @ f64(dout[sl])  # [64, N]
+        got = d_rhs[e][:, ks].T if transpose_rhs else d_rhs[e][ks]
+        assert _rel(got, want) <= 1e-2
 
 
 @pytest.mark.skipif("cuda" not in _native.available(), reason="CUDA module not built")
