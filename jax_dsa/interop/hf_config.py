@@ -16,12 +16,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from jax_dsa.models.deepseek_v4.config import MODEL_TYPE as V4_MODEL_TYPE
 from jax_dsa.models.deepseek_v4.config import DeepseekV4Config
 from jax_dsa.models.glm import hf_config as glm_hf_config
 from jax_dsa.models.glm.config import DSAConfig
 
 MODEL_TYPES = glm_hf_config.MODEL_TYPES
-V4_MODEL_TYPE = "deepseek_v4"
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 
 

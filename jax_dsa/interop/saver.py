@@ -1,13 +1,6 @@
-"""Saving a :class:`jax_dsa.nn.DSALanguageModel` as a Hugging Face checkpoint directory
-(a :class:`jax_dsa.nn.DeepseekV4LanguageModel` goes to
+"""Saving a model as a Hugging Face checkpoint directory: the dispatcher to each family's writer
+(:func:`jax_dsa.models.glm.checkpoint.save_glm`,
 :func:`jax_dsa.models.deepseek_v4.checkpoint.save_v4`).
-
-Writes ``config.json`` (:func:`jax_dsa.interop.config_to_hf`) and safetensors shards with the
-keys and ``[out, in]`` layouts of transformers' ``GlmMoeDsaForCausalLM`` /
-``DeepseekV32ForCausalLM`` (stacked experts split back into ``experts.{e}.*.weight``), in each
-parameter's own dtype, so that ``from_pretrained`` rebuilds the same model. Parameters are
-fetched to the host one at a time (one expert at a time for stacked experts); only the shard
-being written is held in host memory.
 """
 
 from __future__ import annotations
@@ -15,13 +8,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from flax import nnx
 
-from jax_dsa.interop.hf_config import config_to_hf
-from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array
 from jax_dsa.models.deepseek_v4.checkpoint import save_v4
 from jax_dsa.models.deepseek_v4.model import DeepseekV4LanguageModel
-from jax_dsa.models.glm.hf_names import hf_key
+from jax_dsa.models.glm.checkpoint import save_glm
 from jax_dsa.models.glm.model import DSALanguageModel
 
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
@@ -65,33 +55,5 @@ def save_hf(model: DSALanguageModel | DeepseekV4LanguageModel, path: str | os.Pa
         raise TypeError(
             "save_hf: model must be a DSALanguageModel or DeepseekV4LanguageModel, got "
             f"{type(model).__name__}")
-    config = model.config
-    path = os.fspath(path)
-    _, state = nnx.split(model)
-    flat = list(nnx.to_flat_state(state))
-    embed_dtype = model.embed_tokens.weight[...].dtype
-    hf = config_to_hf(config, dtype=_dtype_name(embed_dtype))
-    tied = bool(config.tie_word_embeddings)
-    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
-                                   host_array(model.embed_tokens.weight[...])):
-        raise ValueError(
-            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
-            "(transformers would tie them); set tie_word_embeddings=False in the config"
-        )
-    writer = CheckpointWriter(path, max_shard_size)
-    try:
-        for p, var in flat:
-            key, stacked = hf_key(p)
-            if tied and key == "lm_head.weight":
-                continue
-            value = var.get_value()
-            if stacked:
-                for e in range(value.shape[0]):
-                    writer.add(key.format(expert=e), host_array(value[e]))
-            else:
-                writer.add(key, host_array(value))
-    except BaseException:
-        writer.abort()
-        raise
-    # config.json is committed with the weights: an interrupted save leaves the old pair whole.
-    return writer.finish(config=hf)
+    return save_glm(model, path, max_shard_size=max_shard_size,
+                    dtype_name=_dtype_name(model.embed_tokens.weight[...].dtype))

@@ -86,8 +86,8 @@ from jax_dsa.interop.reading import (
     scale_values,
 )
 from jax_dsa.interop.safetensors_io import CheckpointReader
+from jax_dsa.models.deepseek_v4.config import MODEL_TYPE
 
-MODEL_TYPE = "deepseek_v4"
 LAYOUTS = ("save_pretrained", "deepseek", "state_dict")
 MXFP4_BLOCK = (1, 32)
 SUPPORTED_QUANT_METHODS = ("fp8",)

@@ -34,6 +34,7 @@ from typing import Any
 
 from jax_dsa.nn.rope_parameters import RopeParameters
 
+MODEL_TYPE = "deepseek_v4"  # config.json's model_type
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # what transformers 5.24 builds (no "softmax")
 DEFAULT_NUM_HASH_LAYERS = 3  # transformers' ``default_num_hash_layers``

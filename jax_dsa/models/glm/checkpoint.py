@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_dsa.interop.hf_config import read_hf_config
+from jax_dsa.interop.hf_config import config_to_hf, read_hf_config
 from jax_dsa.interop.reading import CheckpointSource, fill_state
-from jax_dsa.interop.safetensors_io import CheckpointReader
+from jax_dsa.interop.safetensors_io import CheckpointReader, CheckpointWriter, host_array
 from jax_dsa.models.glm.attention import DSAAttention
 from jax_dsa.models.glm.config import DSAConfig
 from jax_dsa.models.glm.hf_config import config_from_hf
@@ -118,4 +119,47 @@ def load_glm_attention(path: str | os.PathLike, layer: int, *, dtype=jnp.float32
     return state
 
 
-__all__ = ["load_glm", "load_glm_attention"]
+
+def save_glm(model: DSALanguageModel, path: str | os.PathLike, *, max_shard_size: int | str,
+             dtype_name: str) -> list[str]:
+    """Write ``model`` (what :func:`jax_dsa.interop.save_hf` does for it): ``config.json``
+    (:func:`jax_dsa.interop.config_to_hf`, ``torch_dtype`` ``dtype_name``) and safetensors shards
+    with the keys and ``[out, in]`` layouts of transformers' ``GlmMoeDsaForCausalLM`` /
+    ``DeepseekV32ForCausalLM`` (stacked experts split back into ``experts.{e}.*.weight``), in
+    each parameter's own dtype, so that ``from_pretrained`` rebuilds the same model. Parameters
+    are fetched to the host one at a time (one expert at a time for stacked experts); only the
+    shard being written is held in host memory. Returns the safetensors file names; raises as
+    ``save_hf`` documents.
+    """
+    config = model.config
+    path = os.fspath(path)
+    _, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    hf = config_to_hf(config, dtype=dtype_name)
+    tied = bool(config.tie_word_embeddings)
+    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
+                                   host_array(model.embed_tokens.weight[...])):
+        raise ValueError(
+            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
+            "(transformers would tie them); set tie_word_embeddings=False in the config"
+        )
+    writer = CheckpointWriter(path, max_shard_size)
+    try:
+        for p, var in flat:
+            key, stacked = hf_key(p)
+            if tied and key == "lm_head.weight":
+                continue
+            value = var.get_value()
+            if stacked:
+                for e in range(value.shape[0]):
+                    writer.add(key.format(expert=e), host_array(value[e]))
+            else:
+                writer.add(key, host_array(value))
+    except BaseException:
+        writer.abort()
+        raise
+    # config.json is committed with the weights: an interrupted save leaves the old pair whole.
+    return writer.finish(config=hf)
+
+
+__all__ = ["load_glm", "load_glm_attention", "save_glm"]

@@ -17,6 +17,7 @@ modeling code ignores a key, so does this mapping, with a warning when the key d
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,8 @@ from jax_dsa.nn.rope_parameters import RopeParameters
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 INDEXER_ROPE_INTERLEAVE = {"glm_moe_dsa": True, "deepseek_v32": False}
+# Warnings point at the caller's line, past the dispatchers (config_from_hf, load_hf).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Quantisation read by the loader (block-scaled FP8 weights with ``weight_scale_inv``).
 SUPPORTED_QUANT_METHODS = ("fp8",)
 
@@ -71,7 +74,7 @@ def config_from_hf(d: Mapping[str, Any]) -> DSAConfig:
     if d.get("rope_interleave") is False:
         warnings.warn(
             "config_from_hf: rope_interleave=false is ignored: transformers always applies "
-            "interleaved RoPE in MLA for these models", stacklevel=2,
+            "interleaved RoPE in MLA for these models", skip_file_prefixes=(_PACKAGE,),
         )
     d["rope_interleave"] = True
     want = INDEXER_ROPE_INTERLEAVE[model_type]
@@ -79,7 +82,7 @@ def config_from_hf(d: Mapping[str, Any]) -> DSAConfig:
         warnings.warn(
             f"config_from_hf: indexer_rope_interleave={d['indexer_rope_interleave']} is ignored: "
             f"transformers' {model_type} indexer {'interleaves' if want else 'half-splits'} its "
-            "RoPE", stacklevel=2,
+            "RoPE", skip_file_prefixes=(_PACKAGE,),
         )
     d["indexer_rope_interleave"] = want
     if model_type == "deepseek_v32":
@@ -87,7 +90,7 @@ def config_from_hf(d: Mapping[str, Any]) -> DSAConfig:
         if types is not None and any(t != "full" for t in types):
             warnings.warn(
                 "config_from_hf: deepseek_v32 ignores indexer_types (every layer runs its "
-                "indexer in transformers)", stacklevel=2,
+                "indexer in transformers)", skip_file_prefixes=(_PACKAGE,),
             )
         for key in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"):
             d.pop(key, None)
