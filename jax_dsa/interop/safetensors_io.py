@@ -475,6 +475,24 @@ def host_array(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+
+def tied_lm_head(model) -> bool:
+    """Whether ``save_hf`` leaves ``lm_head`` out (``config.tie_word_embeddings``; transformers
+    ties it to the embedding on load).
+
+    Raises:
+      ValueError: ``tie_word_embeddings`` with an ``lm_head`` that differs from the embedding.
+    """
+    if not model.config.tie_word_embeddings:
+        return False
+    if not np.array_equal(host_array(model.lm_head.weight[...]),
+                          host_array(model.embed_tokens.weight[...])):
+        raise ValueError(
+            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
+            "(transformers would tie them); set tie_word_embeddings=False in the config"
+        )
+    return True
+
 class CheckpointWriter:
     """Writes tensors in arrival order into shards of at most ``max_shard_size`` bytes (a tensor
     larger than that gets a shard of its own), named and indexed as transformers does.

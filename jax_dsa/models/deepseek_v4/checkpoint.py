@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax_dsa.interop.hf_config import config_to_hf, read_hf_config
 from jax_dsa.interop import reading
 from jax_dsa.interop.reading import fill_state
-from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array
+from jax_dsa.interop.safetensors_io import CheckpointWriter, host_array, tied_lm_head
 from jax_dsa.models.deepseek_v4.attention import DeepseekV4Attention
 from jax_dsa.models.deepseek_v4.checkpoint_layouts import (
     LAYER_NAMES,
@@ -229,13 +229,7 @@ def save_v4(model: DeepseekV4LanguageModel, path: str | os.PathLike, *,
     hf = config_to_hf(config, dtype=dtype_name)
     if model.mtp is not None:  # config_to_hf writes 0: the depths saved here
         hf["num_nextn_predict_layers"] = len(model.mtp)
-    tied = bool(config.tie_word_embeddings)
-    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
-                                   host_array(model.embed_tokens.weight[...])):
-        raise ValueError(
-            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
-            "(transformers would tie them); set tie_word_embeddings=False in the config"
-        )
+    tied = tied_lm_head(model)
     _, state = nnx.split(model)
     values = {}
     for p, var in nnx.to_flat_state(state):

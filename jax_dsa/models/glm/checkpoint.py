@@ -14,13 +14,17 @@ from __future__ import annotations
 import os
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jax_dsa.interop.hf_config import config_to_hf, read_hf_config
 from jax_dsa.interop.reading import CheckpointSource, fill_state
-from jax_dsa.interop.safetensors_io import CheckpointReader, CheckpointWriter, host_array
+from jax_dsa.interop.safetensors_io import (
+    CheckpointReader,
+    CheckpointWriter,
+    host_array,
+    tied_lm_head,
+)
 from jax_dsa.models.glm.attention import DSAAttention
 from jax_dsa.models.glm.config import DSAConfig
 from jax_dsa.models.glm.hf_config import config_from_hf
@@ -136,13 +140,7 @@ def save_glm(model: DSALanguageModel, path: str | os.PathLike, *, max_shard_size
     _, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     hf = config_to_hf(config, dtype=dtype_name)
-    tied = bool(config.tie_word_embeddings)
-    if tied and not np.array_equal(host_array(model.lm_head.weight[...]),
-                                   host_array(model.embed_tokens.weight[...])):
-        raise ValueError(
-            "save_hf: tie_word_embeddings is set but lm_head differs from embed_tokens "
-            "(transformers would tie them); set tie_word_embeddings=False in the config"
-        )
+    tied = tied_lm_head(model)
     writer = CheckpointWriter(path, max_shard_size)
     try:
         for p, var in flat:
