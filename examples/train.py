@@ -72,6 +72,7 @@ import text_data  # noqa: E402  (the example's sibling module)
 
 import jax_dsa.sharding as jax_dsa_sharding  # noqa: E402
 from jax_dsa.nn.experts import set_expert_dispatch, update_router_biases  # noqa: E402
+from jax_dsa.sharding.expert_dispatch import MODES as EXPERT_DISPATCH_MODES  # noqa: E402
 
 MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "ep", "cp", "tp"): mesh axes this example knows
 # Logical axis -> mesh axis. The model names every parameter dimension with a logical axis
@@ -107,6 +108,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -169,13 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device mesh, e.g. 'dp=2,cp=2,tp=2' or 'ep=8': data (batch), expert "
                         "(routed experts split; data parallel for the rest), context (tokens) "
                         "and tensor (heads, MLP, vocabulary) parallel")
-    g.add_argument("--expert-dispatch", choices=("ragged", "capacity"), default=None,
+    g.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH_MODES, default=None,
                    help="expert parallelism's token exchange: ragged_all_to_all (exact rows; "
                         "GPU) or all_to_all of fixed blocks (any platform); default: ragged on "
                         "accelerators, capacity on the host")
-    g.add_argument("--expert-capacity-factor", type=float, default=None,
+    g.add_argument("--expert-capacity-factor", type=_positive_float, default=None,
                    help="cap the exchange buffers at this times the balanced share (pairs past "
-                        "it are dropped and counted in aux['expert_overflow']); default: the "
+                        "it are dropped, counted and logged as expert_overflow); default: the "
                         "dropless worst case")
     g.add_argument("--cp-layout", choices=CP_LAYOUTS, default="contiguous",
                    help="token order under context parallelism: contiguous shards, or zigzag "
@@ -368,7 +376,10 @@ def _forward(graphdef, params, rest, batch, *, attention_mode, implementation):
                         segment_ids=batch["segment_ids"], attention_mode=attention_mode,
                         implementation=implementation)
     lm_loss = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    return lm_loss, aux["indexer_loss"].astype(jnp.float32), aux.get("expert_load", ())
+    # pairs that capped expert-parallel buffers dropped, over every MoE layer
+    overflow = sum((jnp.sum(o) for o in aux.get("expert_overflow", ())), jnp.zeros((), jnp.int32))
+    return (lm_loss, aux["indexer_loss"].astype(jnp.float32), aux.get("expert_load", ()),
+            overflow)
 
 
 def balance_router_biases(graphdef, params, rest, expert_load, rate):
@@ -418,7 +429,7 @@ class Steps:
                 return treedef.unflatten([next(it) if m else x for x, m in zip(leaves, trainable)])
 
             def loss_fn(train_leaves):
-                lm_loss, indexer_loss, _ = forward(merged(train_leaves), rest, batch)
+                lm_loss, indexer_loss, _, _ = forward(merged(train_leaves), rest, batch)
                 return indexer_loss, lm_loss
 
             (indexer_loss, lm_loss), g = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -443,22 +454,23 @@ class Steps:
                     return frozen_train_step(params, rest, opt_state, batch, _forward)
 
                 def loss_fn(params):
-                    lm_loss, indexer_loss, load = _forward(params, rest, batch)
+                    lm_loss, indexer_loss, load, overflow = _forward(params, rest, batch)
                     return (lm_loss + indexer_loss_coeff * indexer_loss,
-                            (lm_loss, indexer_loss, load))
+                            (lm_loss, indexer_loss, load, overflow))
 
-                (total, (lm_loss, indexer_loss, load)), grads = jax.value_and_grad(
+                (total, (lm_loss, indexer_loss, load, overflow)), grads = jax.value_and_grad(
                     loss_fn, has_aux=True)(params)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
                 # expert_load: tokens per expert of each MoE layer (for the router bias update)
                 stats = {"loss": lm_loss, "indexer_loss": indexer_loss, "total_loss": total,
-                         "grad_norm": optax.tree.norm(grads), "expert_load": load}
+                         "grad_norm": optax.tree.norm(grads), "expert_load": load,
+                         "expert_overflow": overflow}
                 return params, opt_state, stats
 
             def eval_step(params, rest, batch, _mode=mode, _forward=forward):
                 self.traces["eval"][_mode] += 1
-                lm_loss, indexer_loss, _ = _forward(params, rest, batch)
+                lm_loss, indexer_loss, _, _ = _forward(params, rest, batch)
                 return {"loss": lm_loss, "indexer_loss": indexer_loss}
 
             self._train[mode] = jax.jit(
@@ -749,7 +761,19 @@ def _run(args, manager, t_start) -> dict:
                          f"data needs {text_data.VOCAB_SIZE}")
 
     mesh = make_mesh(args.mesh)
-    dp = mesh.shape.get("dp", 1) * mesh.shape.get("ep", 1)  # ep devices hold other rows too
+    ep = mesh.shape.get("ep", 1)
+    n_experts = getattr(config, "n_routed_experts", None) or 0
+    if ep > 1 and n_experts % ep:
+        raise ValueError(f"--mesh ep={ep} must divide the model's n_routed_experts "
+                         f"({n_experts}: --model {args.model})")
+    expert_flags = args.expert_dispatch is not None or args.expert_capacity_factor is not None
+    if expert_flags and ep == 1:
+        warnings.warn("--expert-dispatch / --expert-capacity-factor have no effect without an "
+                      "ep mesh axis (--mesh ep=N)", stacklevel=2)
+    if args.expert_dispatch == "ragged" and mesh.devices.flat[0].platform == "cpu":
+        raise ValueError("--expert-dispatch ragged needs GPUs or TPUs (XLA:CPU has no "
+                         "ragged-all-to-all); use capacity on the host")
+    dp = mesh.shape.get("dp", 1) * ep  # ep devices hold other rows too
     if args.batch % dp:
         raise ValueError(f"--batch ({args.batch}) must be divisible by the dp x ep mesh size "
                          f"({dp})")
@@ -775,7 +799,7 @@ def _run(args, manager, t_start) -> dict:
     model = model_cls(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype))
     if args.indexer_qk_dtype is not None:
         set_indexer_qk_dtype(model, args.indexer_qk_dtype)
-    if args.expert_dispatch is not None or args.expert_capacity_factor is not None:
+    if expert_flags:
         set_expert_dispatch(model, args.expert_dispatch, args.expert_capacity_factor)
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(param_state)
@@ -853,13 +877,17 @@ def _run(args, manager, t_start) -> dict:
                                ("grad_norm", stats["grad_norm"]), ("lr", schedule(step))):
                 history[key].append(float(value))
             history["attention_mode"].append(mode)
+            if stats.get("expert_load"):  # MoE layers (none in --warmup-freeze's steps)
+                history.setdefault("expert_overflow", []).append(int(stats["expert_overflow"]))
             if not math.isfinite(history["total_loss"][-1]):
                 raise FloatingPointError(f"non-finite loss at step {step + 1}: {stats}")
             done = step + 1
             bar.update(1)
+            dropped = int(stats.get("expert_overflow", 0))
             bar.set_postfix(mode=mode, loss=f"{stats['loss']:.3f}",
                             idx=f"{stats['indexer_loss']:.3f}",
-                            tok_s=f"{timed_tokens / timed_s:.0f}" if timed_s else "-")
+                            tok_s=f"{timed_tokens / timed_s:.0f}" if timed_s else "-",
+                            **({"dropped": dropped} if dropped else {}))
             if args.eval_every and done % args.eval_every == 0 and done != stop:
                 e = evaluate(done, mode)
                 tqdm.write(f"step {done}: eval loss {e['loss']:.4f} "

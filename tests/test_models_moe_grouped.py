@@ -291,6 +291,7 @@ def test_train_bias_update_balances_a_skewed_router():
             stats = jax.device_get(stats)
             (load,) = stats["expert_load"]
             assert load.sum() == 2 * 64 * config.num_experts_per_tok
+            assert int(stats["expert_overflow"]) == 0  # no expert parallelism: nothing dropped
             p_before = [np.array(a) for a in jax.tree.leaves(params)]
             rest = balance(params, rest, stats["expert_load"], rate)
             np.testing.assert_allclose(bias(rest) - before,
@@ -368,6 +369,22 @@ def test_v4_presets_build_the_real_moe_layers():
         c, hf = get_config(name), DeepseekV4Config.from_hf_dict(d)
         assert {f: getattr(c, f) for f in fields} == {f: getattr(hf, f) for f in fields}
         assert c.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * (c.num_hidden_layers - 3)
+
+
+def test_train_checks_the_expert_flags():
+    """examples/train.py refuses, before building anything, a capacity factor that is not a
+    finite number > 0, an ep that does not divide the experts, and the ragged exchange on the
+    host (XLA:CPU has no ragged all-to-all)."""
+    train = _load_train()
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--expert-capacity-factor", bad])
+    n = get_config("glm5-tiny").n_routed_experts
+    with pytest.raises(ValueError,
+                       match=rf"--mesh ep=3 must divide the model's n_routed_experts \({n}"):
+        train.main(["--model", "glm5-tiny", "--mesh", "ep=3"])
+    with pytest.raises(ValueError, match="--expert-dispatch ragged needs GPUs or TPUs"):
+        train.main(["--model", "glm5-tiny", "--mesh", "ep=2", "--expert-dispatch", "ragged"])
 
 
 # GPU: "cuda" against "xla" at GLM-5's and DeepSeek-V4-Flash's expert dims -------------------

@@ -61,22 +61,24 @@ def _replay(counts, mode, rows):
 
 def _kept_reference(counts, mode, rows):
     """numpy: which (source, expert, serial) pairs fit. capacity: the first ``rows`` of each
-    (source, destination) block in expert order; ragged: each destination's buffer filled by
-    sources in order."""
+    (source, destination) block in expert order; ragged: each source keeps the first
+    ``min(its rows, L)`` of its block for a destination, ``L`` the largest level (searched
+    one by one) at which the destination's ``rows`` hold them all."""
     n, e = counts.shape
     el = e // n
+    total = counts.reshape(n, n, el).sum(-1)  # [source, destination]
     kept = set()
-    room = [rows] * n
-    for i in range(n):
-        for j in range(n):
-            left = rows if mode == "capacity" else room[j]
+    for j in range(n):
+        level = rows
+        if mode == "ragged":
+            level = max(lv for lv in range(rows + 1) if np.minimum(total[:, j], lv).sum() <= rows)
+        for i in range(n):
+            left = level
             for x in range(j * el, (j + 1) * el):
                 for s in range(counts[i, x]):
                     if left > 0:
                         kept.add((i, x, s))
                         left -= 1
-            if mode == "ragged":
-                room[j] = left
     return kept
 
 
@@ -115,8 +117,9 @@ def test_buffer_rows_and_errors():
     assert ed.buffer_rows(24, 4, "capacity", 1.0) == 6
     assert ed.buffer_rows(24, 4, "ragged", 1.25) == 30
     assert ed.buffer_rows(24, 4, "capacity", 100.0) == 24  # never past the worst case
-    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
-        ed.buffer_rows(24, 4, "capacity", 0.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            ed.buffer_rows(24, 4, "capacity", bad)
     with pytest.raises(ValueError, match="mode must be one of"):
         ed.plan(np.zeros((2, 4), np.int32), 0, mode="dense", rows=4)
     with pytest.raises(ValueError, match=r"counts must be \[n, E\] with n dividing E"):
@@ -134,3 +137,32 @@ def test_gather_rows_backward_is_the_inverse_gather():
     got = jax.grad(lambda a: (ed.gather_rows(a, idx, valid, inv, inv_valid) * d).sum())(a)
     want = jax.grad(lambda a: (jnp.where(valid[:, None], a[idx], 0) * d).sum())(a)
     np.testing.assert_array_equal(got, want)
+
+
+def test_ragged_cut_is_max_min_fair():
+    """An over-full ragged buffer is shared max-min fairly, whatever the sources' order: device
+    0 receives 10, 1, 3, 10 pairs from sources 0-3 into 12 rows: each keeps min(its pairs, 4)."""
+    counts = np.zeros((4, 4), np.int32)  # one expert per device
+    counts[:, 0] = [10, 1, 3, 10]
+    counts[:, 1] = [2, 2, 2, 2]
+    kept = [int(ed.plan(counts, i, mode="ragged", rows=12).send_sizes[0]) for i in range(4)]
+    assert kept == [4, 1, 3, 4]
+    assert int(ed.plan(counts, 0, mode="ragged", rows=12).recv_sizes.sum()) == 12
+    assert [int(ed.plan(counts, i, mode="ragged", rows=12).overflow) for i in range(4)] == [
+        6, 0, 0, 6]
+    # room for everything: nothing is cut
+    assert [int(ed.plan(counts, i, mode="ragged", rows=24).send_sizes[0])
+            for i in range(4)] == [10, 1, 3, 10]
+
+
+def test_default_mode_follows_the_mesh_devices():
+    """The default exchange is chosen by the platform of the mesh's devices (the mesh in context,
+    else JAX's default backend): capacity on the host, ragged on accelerators."""
+    import types
+
+    cpu = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    assert ed.default_mode(cpu) == "capacity"
+    with jax.set_mesh(cpu):
+        assert ed.default_mode() == "capacity"
+    gpu = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform="gpu"))
+    assert ed.default_mode(gpu) == "ragged"

@@ -1,4 +1,4 @@
-"""The routed experts of both families' MoE blocks, stacked and run dropless, the
+"""The routed experts of both families' MoE blocks, stacked, the
 non-trainable :class:`Buffer` their routers keep (correction biases, hash tables), and
 DeepSeek-V3's auxiliary-loss-free balancing of the correction biases.
 
@@ -10,7 +10,8 @@ For a token ``x`` routed to experts ``idx`` with gate values ``w`` (the router's
 (DeepSeek V4 clips the pre-activations: :attr:`Experts.swiglu_limit`). The (token, slot) pairs
 are sorted by expert and pushed through :func:`jax_dsa.ops.grouped_matmul` (weights in their
 stored ``[E, out, in]`` layout, ``transpose_rhs=True``), so the cost is that of the chosen
-experts only and no token is ever dropped.
+experts only and no token is dropped (on one device, and with expert parallelism unless
+:attr:`Experts.capacity_factor` caps its buffers).
 
 Expert parallelism: where the logical-axis rules map ``experts`` to mesh axes (``ep``), each
 device holds ``E / ep`` experts; its pairs, sorted by expert, travel to the devices of their
@@ -36,7 +37,6 @@ from jax_dsa.ops.grouped_matmul import REGISTRY as GMM_REGISTRY
 from jax_dsa.ops.grouped_matmul import grouped_matmul
 from jax_dsa.sharding import expert_dispatch as dispatch_lib
 from jax_dsa.sharding.constraints import check_split, explicit_axes, typed_spec
-from jax_dsa.sharding.expert_dispatch import default_mode
 from jax_dsa.sharding.rules import logical_to_spec
 
 ROUTER_NORM_EPS = 1e-20  # transformers adds this to the sum of the chosen gate values
@@ -62,6 +62,11 @@ class Experts(nnx.Module):
 
     # DeepSeek V4 clips the pre-activations (jax_dsa.models.deepseek_v4.moe.V4Experts)
     swiglu_limit: float | None = None
+    # Expert parallelism's exchange (jax_dsa.sharding.expert_dispatch): "ragged", "capacity" or
+    # None (ragged_all_to_all where XLA has it, capacity on the host); capacity_factor None: the
+    # dropless worst case. Set on a model with set_expert_dispatch.
+    dispatch: str | None = None
+    capacity_factor: float | None = None
 
     def __init__(self, config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         c = config
@@ -72,12 +77,6 @@ class Experts(nnx.Module):
         self.gate_proj = param(rngs, init, (e, i, h), param_dtype, ("experts", "mlp", "embed"))
         self.up_proj = param(rngs, init, (e, i, h), param_dtype, ("experts", "mlp", "embed"))
         self.down_proj = param(rngs, init, (e, h, i), param_dtype, ("experts", "embed", "mlp"))
-
-    # Expert parallelism's exchange (jax_dsa.sharding.expert_dispatch): "ragged", "capacity" or
-    # None (ragged_all_to_all where XLA has it, capacity on the host); capacity_factor None: the
-    # dropless worst case. Set on a model with set_expert_dispatch.
-    dispatch: str | None = None
-    capacity_factor: float | None = None
 
     def __call__(self, x, topk_weights, topk_indices, *, implementation=None,
                  return_load=False, return_overflow=False, token_shape=None):
@@ -137,7 +136,7 @@ class Experts(nnx.Module):
         elif natural != tok:  # Auto: a hard boundary for sharding propagation, both ways
             args = tuple(_pin(a, natural) for a in args[:3]) + args[3:]
         if ep:
-            mode = self.dispatch or default_mode()
+            mode = self.dispatch or dispatch_lib.default_mode()
             mix = functools.partial(_ep_mix, ep=ep, mode=mode,
                                     capacity_factor=self.capacity_factor, **mix.keywords)
         else:
@@ -245,24 +244,24 @@ def _token_axes(tok: tuple[str, ...], ep: tuple[str, ...], t: int) -> tuple[str,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dispatch(x, order, inverse, k):
+def _gather_tokens(x, order, inverse, k):
     """``x [T, H]`` -> ``[T*k, H]``: row ``i`` is ``x[order[i] // k]`` (the sorted pairs'
     tokens). Backward: the gradient rows gathered back to (token, slot) order by ``inverse`` and
     summed over the k slots in float32 (no scatter-add)."""
     return x[order // k]
 
 
-def _dispatch_fwd(x, order, inverse, k):
+def _gather_tokens_fwd(x, order, inverse, k):
     return x[order // k], (inverse,)
 
 
-def _dispatch_bwd(k, res, d):
+def _gather_tokens_bwd(k, res, d):
     (inverse,) = res
     dx = d[inverse].reshape(-1, k, d.shape[-1]).astype(jnp.float32).sum(1)
     return dx.astype(d.dtype), None, None
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 
 
 @jax.custom_vjp
@@ -325,7 +324,7 @@ def _mix(x, topk_weights, topk_indices, gate_proj, up_proj, down_proj, *, n_expe
     ``extra`` with ``ffn``."""
     k = topk_indices.shape[1]
     order, inverse, group_sizes = _sort_pairs(topk_indices.reshape(-1), n_experts)
-    xs = _dispatch(x, order, inverse, k)  # [T*k, H], sorted by expert
+    xs = _gather_tokens(x, order, inverse, k)  # [T*k, H], sorted by expert
     if ffn is None:
         ys = _ffn(xs, group_sizes, gate_proj, up_proj, down_proj, limit=limit,
                   implementation=implementation)
@@ -384,20 +383,25 @@ def set_expert_dispatch(model, dispatch: str | None = None,
     NNX module; in place, a static setting: jitted steps retrace). ``dispatch``: ``"ragged"``
     (``jax.lax.ragged_all_to_all``, exact rows; needs XLA:GPU or TPU), ``"capacity"``
     (``jax.lax.all_to_all`` of fixed ``[ep, C, hidden]`` blocks; runs everywhere) or ``None``
-    (ragged on accelerators, capacity on the host). ``capacity_factor``: ``None`` sizes the
-    buffers for the dropless worst case; ``f`` caps them at ``f`` times the balanced share
-    (pairs past it are dropped, contribute zero and are counted in
-    ``aux["expert_overflow"]``). Returns how many modules were set.
+    (ragged where the mesh's devices are GPUs or TPUs, capacity on the host).
+    ``capacity_factor``: ``None`` sizes the buffers for the dropless worst case; ``f`` caps them
+    at ``f`` times the balanced share: ``"capacity"`` per (source, destination) block,
+    ``"ragged"`` per destination, shared max-min fairly among the sources (so the same ``f``
+    drops fewer pairs there); pairs past the cap are dropped (the last in expert order),
+    contribute zero and are counted in ``aux["expert_overflow"]``. Returns how many modules
+    were set.
 
     Raises:
-      ValueError: an unknown ``dispatch`` or a ``capacity_factor`` that is not positive.
+      ValueError: an unknown ``dispatch`` or a ``capacity_factor`` that is not a finite number
+        > 0.
     """
     if dispatch is not None and dispatch not in dispatch_lib.MODES:
         raise ValueError(f"set_expert_dispatch: dispatch must be one of "
                          f"{dispatch_lib.MODES} or None, got {dispatch!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"set_expert_dispatch: capacity_factor must be > 0, got "
-                         f"{capacity_factor}")
+    if capacity_factor is not None and not (capacity_factor > 0
+                                            and math.isfinite(capacity_factor)):
+        raise ValueError(f"set_expert_dispatch: capacity_factor must be a finite number > 0, "
+                         f"got {capacity_factor}")
     count = 0
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Experts):

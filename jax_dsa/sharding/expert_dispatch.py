@@ -16,8 +16,11 @@ expert), then:
 4. :func:`combine` moves the results back to the rows they came from (dropped or never-sent rows
    come back zero).
 
-Pairs that do not fit a capped buffer are dropped deterministically (the last ones in expert
-order of each block) and counted in :attr:`Plan.overflow`; by default the buffers hold the
+Pairs that do not fit a capped buffer are dropped deterministically and counted in
+:attr:`Plan.overflow`: ``"capacity"`` keeps the first ``C`` rows of each (source, destination)
+block; ``"ragged"`` shares each destination's ``R`` rows among the sources max-min fairly (every
+source keeps ``min(its rows, L)``, ``L`` the largest level that fits), so no source is always
+the one cut; within a block the last rows in expert order go. By default the buffers hold the
 dropless worst case, so nothing is dropped. XLA:CPU has no ``ragged-all-to-all`` (jax 0.11.2),
 so the host runs ``"capacity"``; both modes share :func:`plan` and :func:`receive_keys`.
 
@@ -71,6 +74,19 @@ def _check_mode(mode):
         raise ValueError(f"expert dispatch: mode must be one of {MODES}, got {mode!r}")
 
 
+def _fair_level(total, rows):
+    """``[n]``: for each destination (column of ``total [source, destination]``) the largest
+    ``L`` with ``sum_s min(total[s], L) <= rows`` (the sum itself where it fits). With the
+    column sorted, ``a[0] <= ... <= a[n-1]``, and ``P_k = a[0] + ... + a[k-1]``, each
+    ``min(a[k], (rows - P_k) // (n - k))`` is such a level, and the largest of them is the
+    largest one. Integer arithmetic throughout (no product that can overflow int32)."""
+    n = total.shape[0]
+    a = jnp.sort(total, axis=0)
+    below = _exclusive_cumsum(a, 0)
+    share = (rows - below) // (n - jnp.arange(n, dtype=jnp.int32))[:, None]
+    return jnp.minimum(a, share).max(0)
+
+
 def buffer_rows(pairs: int, n: int, mode: str, capacity_factor: float | None = None) -> int:
     """Static receive-buffer size for ``pairs`` (token, slot) pairs per device and a group of
     ``n``: ``"capacity"``: rows per (source, destination) block ``C``; ``"ragged"``: rows of the
@@ -79,15 +95,20 @@ def buffer_rows(pairs: int, n: int, mode: str, capacity_factor: float | None = N
     the balanced share (``C = ceil(f * pairs / n)``, ``R = ceil(f * pairs)``), at least 1 and
     at most the worst case.
 
+    The same ``f`` caps differently in the two modes: ``"capacity"`` per (source, destination)
+    block, ``"ragged"`` per destination (shared by the sources), so a skewed routing drops
+    fewer pairs in ``"ragged"``.
+
     Raises:
-      ValueError: an unknown ``mode`` or a ``capacity_factor`` that is not positive.
+      ValueError: an unknown ``mode`` or a ``capacity_factor`` that is not a finite number > 0.
     """
     _check_mode(mode)
     worst = pairs if mode == "capacity" else n * pairs
     if capacity_factor is None:
         return max(worst, 1)
-    if not capacity_factor > 0:
-        raise ValueError(f"expert dispatch: capacity_factor must be > 0, got {capacity_factor}")
+    if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        raise ValueError(f"expert dispatch: capacity_factor must be a finite number > 0, got "
+                         f"{capacity_factor}")
     share = pairs / n if mode == "capacity" else pairs
     return max(1, min(worst, math.ceil(capacity_factor * share)))
 
@@ -101,8 +122,7 @@ def plan(counts, me, *, mode: str, rows: int) -> Plan:
       me: this device's index in the group (int scalar, may be traced).
       mode: ``"ragged"`` or ``"capacity"``.
       rows: :func:`buffer_rows`: ``C`` per block (``"capacity"``) or ``R`` per receive buffer
-        (``"ragged"``; sources fill it in order, so a full buffer drops the last sources' last
-        rows).
+        (``"ragged"``; an over-full buffer is shared max-min fairly among the sources).
 
     Returns:
       :class:`Plan`. A pure function of its inputs (plain ``jnp``): the unit tests check it
@@ -121,9 +141,8 @@ def plan(counts, me, *, mode: str, rows: int) -> Plan:
     total = by_expert.sum(-1)  # [source, destination]
     if mode == "capacity":
         kept = jnp.minimum(total, rows)
-    else:  # sources fill each destination's buffer in order
-        filled = jnp.minimum(jnp.cumsum(total, axis=0), rows)
-        kept = filled - jnp.concatenate([jnp.zeros((1, n), jnp.int32), filled[:-1]], axis=0)
+    else:
+        kept = jnp.minimum(total, _fair_level(total, rows)[None, :])
     # within a block the first `kept` rows in expert order go
     cum = jnp.minimum(jnp.cumsum(by_expert, axis=-1), kept[..., None])
     kept_by_expert = cum - jnp.concatenate(
@@ -239,10 +258,14 @@ def combine(ys, p: Plan, *, axis, mode: str, pairs: int):
     return gather_rows(back, *to_pairs, *to_buffer)
 
 
-def default_mode() -> str:
+def default_mode(mesh=None) -> str:
     """``"ragged"`` where XLA implements ``ragged-all-to-all`` (GPU, TPU), ``"capacity"`` on the
-    host (XLA:CPU does not, jax 0.11.2)."""
-    return "capacity" if jax.default_backend() == "cpu" else "ragged"
+    host (XLA:CPU does not, jax 0.11.2), by the platform of ``mesh``'s devices (default: the
+    mesh in context; without one, JAX's default backend)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    return "capacity" if platform == "cpu" else "ragged"
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 The layers in :mod:`jax_dsa.nn` name every parameter and activation dim with a logical axis
 (``batch``, ``sequence``, ``heads``, ...; see :data:`jax_dsa.nn.layers.LOGICAL_AXES`). A rules
 table maps each logical name to a mesh axis (or ``None``: not split). The default table, for a
-mesh with axes ``dp`` (data), ``cp`` (context) and ``tp`` (tensor):
+mesh with axes ``dp`` (data), ``ep`` (experts), ``cp`` (context) and ``tp`` (tensor):
 
 =================  =======  =========================================================
 logical axis       mesh     why
