@@ -181,7 +181,8 @@ V4_EP = (V4, (("num_hidden_layers", 2), ("n_routed_experts", E)))  # hash, then 
 
 @pytest.mark.parametrize("case,sizes,kind,rules", [
     (GLM, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Explicit, DEFAULT_RULES),
-    (V4_EP, {"dp": 2, "ep": 4}, AxisType.Explicit, DEFAULT_RULES),
+    pytest.param(V4_EP, {"dp": 2, "ep": 4}, AxisType.Explicit, DEFAULT_RULES,
+                 marks=pytest.mark.slow),
     pytest.param(GLM, {"ep": 8}, AxisType.Auto, DEFAULT_RULES, marks=pytest.mark.slow),
     pytest.param(V4_EP, {"ep": 8}, AxisType.Explicit, DEFAULT_RULES, marks=pytest.mark.slow),
     pytest.param(V4_EP, {"ep": 2, "cp": 2, "tp": 2}, AxisType.Auto, DEFAULT_RULES,
