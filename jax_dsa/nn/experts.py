@@ -386,10 +386,10 @@ def set_expert_dispatch(model, dispatch: str | None = None,
     (ragged where the mesh's devices are GPUs or TPUs, capacity on the host).
     ``capacity_factor``: ``None`` sizes the buffers for the dropless worst case; ``f`` caps them
     at ``f`` times the balanced share: ``"capacity"`` per (source, destination) block,
-    ``"ragged"`` per destination, shared max-min fairly among the sources (so the same ``f``
-    drops fewer pairs there); pairs past the cap are dropped (the last in expert order),
-    contribute zero and are counted in ``aux["expert_overflow"]``. Returns how many modules
-    were set.
+    ``"ragged"`` per destination, shared max-min fairly among the sources (so with the same
+    ``f`` a skewed routing loses fewer pairs there); pairs past the cap are dropped (the last
+    in expert order), contribute zero and are counted in ``aux["expert_overflow"]``. Returns
+    how many modules were set.
 
     Raises:
       ValueError: an unknown ``dispatch`` or a ``capacity_factor`` that is not a finite number
