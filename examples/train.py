@@ -72,7 +72,7 @@ import text_data  # noqa: E402  (the example's sibling module)
 
 import jax_dsa.sharding as jax_dsa_sharding  # noqa: E402
 from jax_dsa.nn.experts import set_expert_dispatch, update_router_biases  # noqa: E402
-from jax_dsa.sharding.expert_dispatch import MODES as EXPERT_DISPATCH_MODES  # noqa: E402
+from jax_dsa.sharding import expert_dispatch  # noqa: E402
 
 MESH_AXES = jax_dsa_sharding.MESH_AXES  # ("dp", "ep", "cp", "tp"): mesh axes this example knows
 # Logical axis -> mesh axis. The model names every parameter dimension with a logical axis
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device mesh, e.g. 'dp=2,cp=2,tp=2' or 'ep=8': data (batch), expert "
                         "(routed experts split; data parallel for the rest), context (tokens) "
                         "and tensor (heads, MLP, vocabulary) parallel")
-    g.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH_MODES, default=None,
+    g.add_argument("--expert-dispatch", choices=expert_dispatch.MODES, default=None,
                    help="expert parallelism's token exchange: ragged_all_to_all (exact rows; "
                         "GPU) or all_to_all of fixed blocks (any platform); default: ragged on "
                         "accelerators, capacity on the host")
@@ -770,7 +770,7 @@ def _run(args, manager, t_start) -> dict:
     if expert_flags and ep == 1:
         warnings.warn("--expert-dispatch / --expert-capacity-factor have no effect without an "
                       "ep mesh axis (--mesh ep=N)", stacklevel=2)
-    if args.expert_dispatch == "ragged" and mesh.devices.flat[0].platform == "cpu":
+    if args.expert_dispatch == "ragged" and expert_dispatch.default_mode(mesh) != "ragged":
         raise ValueError("--expert-dispatch ragged needs GPUs or TPUs (XLA:CPU has no "
                          "ragged-all-to-all); use capacity on the host")
     dp = mesh.shape.get("dp", 1) * ep  # ep devices hold other rows too

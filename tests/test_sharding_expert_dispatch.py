@@ -164,5 +164,6 @@ def test_default_mode_follows_the_mesh_devices():
     assert ed.default_mode(cpu) == "capacity"
     with jax.set_mesh(cpu):
         assert ed.default_mode() == "capacity"
+    assert ed.default_mode(cpu.abstract_mesh) == "capacity"
     gpu = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform="gpu"))
     assert ed.default_mode(gpu) == "ragged"

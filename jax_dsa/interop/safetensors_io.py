@@ -475,7 +475,6 @@ def host_array(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-
 def tied_lm_head(model) -> bool:
     """Whether ``save_hf`` leaves ``lm_head`` out (``config.tie_word_embeddings``; transformers
     ties it to the embedding on load).
@@ -492,6 +491,7 @@ def tied_lm_head(model) -> bool:
             "(transformers would tie them); set tie_word_embeddings=False in the config"
         )
     return True
+
 
 class CheckpointWriter:
     """Writes tensors in arrival order into shards of at most ``max_shard_size`` bytes (a tensor

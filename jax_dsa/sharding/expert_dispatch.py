@@ -263,8 +263,11 @@ def default_mode(mesh=None) -> str:
     host (XLA:CPU does not, jax 0.11.2), by the platform of ``mesh``'s devices (default: the
     mesh in context; without one, JAX's default backend)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    device = getattr(mesh, "abstract_device", None)
-    platform = getattr(device, "platform", None) or jax.default_backend()
+    if isinstance(mesh, jax.sharding.Mesh):
+        platform = mesh.devices.flat[0].platform
+    else:  # an abstract mesh knows its devices' kind once devices made it
+        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    platform = platform or jax.default_backend()
     return "capacity" if platform == "cpu" else "ragged"
 
 

@@ -123,7 +123,6 @@ def load_glm_attention(path: str | os.PathLike, layer: int, *, dtype=jnp.float32
     return state
 
 
-
 def save_glm(model: DSALanguageModel, path: str | os.PathLike, *, max_shard_size: int | str,
              dtype_name: str) -> list[str]:
     """Write ``model`` (what :func:`jax_dsa.interop.save_hf` does for it): ``config.json``
