@@ -184,6 +184,27 @@ def test_block_matches_ragged_dot_and_returns_load(name, monkeypatch):
     assert (want == 0).any()  # 6 tokens x k slots leave some expert without a token
 
 
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_block_with_no_tokens(name):
+    """A MoE block given zero tokens: a [.., 0, hidden] output, an all-zero load, and zero
+    gradients (nothing computed, nothing exchanged)."""
+    block = BLOCKS[name]()
+    x = jnp.zeros((1, 0, block.config.hidden_size), jnp.float32)
+    ids = jnp.zeros((1, 0), jnp.int32)
+    call = ((lambda m, x: m(x, return_load=True)) if name == "glm"
+            else (lambda m, x: m(x, ids, return_load=True)))
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def run(params, x):
+        out, load = call(nnx.merge(graphdef, params, rest), x)
+        return jnp.sum(out), (out, load)
+
+    (_, (out, load)), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(params, x)
+    assert out.shape == x.shape
+    np.testing.assert_array_equal(load, np.zeros(block.config.n_routed_experts, np.int32))
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+
+
 def test_load_under_explicit_token_sharding():
     """On an Explicit mesh the experts run per token shard (shard_map); the load is summed over
     the shards and the output equals the unsharded one."""

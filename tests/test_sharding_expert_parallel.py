@@ -265,6 +265,33 @@ def test_load_hf_onto_an_ep_mesh_streams_each_devices_experts(tmp_path, monkeypa
         np.testing.assert_array_equal(again[path], x, err_msg=str(path))
 
 
+@pytest.mark.parametrize("factor", [None, 0.5])
+def test_poisoned_token_and_no_tokens_on_ep(factor):
+    """On ep=4 x dp=2 (capacity exchange): a NaN token poisons its own output row only (the
+    buffers' padding and dropped pairs never carry it to other rows), with a cap too; a batch of
+    no tokens gives an empty output, no load and no overflow."""
+    graphdef, state, x, w, idx = experts_case()
+    x = x.copy()
+    x[5] = np.nan
+    want = experts_step(graphdef)(state, x, w, idx)[0][0]
+    model = nnx.merge(graphdef, state)
+    set_expert_dispatch(model, "capacity", factor)
+    capped, state = nnx.split(model)
+    mesh = make_mesh({"dp": 2, "ep": 4}, AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        placed, args = place_experts(mesh, state, x, w, idx)
+        (y, _, overflow), _ = experts_step(capped)(placed, *args)
+        y = np.asarray(y)
+        np.testing.assert_array_equal(~np.isfinite(y).all(1), np.arange(T) == 5)
+        if factor is None:
+            assert int(overflow) == 0
+            np.testing.assert_allclose(np.delete(y, 5, 0), np.delete(np.asarray(want), 5, 0),
+                                       rtol=1e-5, atol=1e-5)
+        placed, args = place_experts(mesh, state, x[:0], w[:0], idx[:0])
+        (y, load, overflow), _ = experts_step(capped)(placed, *args)
+    assert y.shape == (0, x.shape[1]) and int(load.sum()) == 0 and int(overflow) == 0
+
+
 @pytest.mark.gpu
 def test_ragged_dispatch_on_gpus_equals_one_device():
     """The ``"ragged"`` exchange (``jax.lax.ragged_all_to_all``; XLA:CPU has none) on every GPU

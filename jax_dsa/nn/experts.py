@@ -104,9 +104,12 @@ class Experts(nnx.Module):
           ValueError: the ``experts`` mesh axes do not divide ``n_routed_experts``, or the
             tokens do not split over the token and ``experts`` axes.
         """
+        n_experts = self.config.n_routed_experts
+        if x.shape[0] == 0:  # no tokens (on every device alike): nothing to compute or exchange
+            return _results(jnp.zeros(x.shape, self.dtype), jnp.zeros((n_experts,), jnp.int32),
+                            jnp.zeros((), jnp.int32), return_load, return_overflow)
         weights = tuple(p[...].astype(self.dtype) for p in
                         (self.gate_proj, self.up_proj, self.down_proj))
-        n_experts = self.config.n_routed_experts
         mix = functools.partial(_mix, n_experts=n_experts, limit=self.swiglu_limit,
                                 implementation=GMM_REGISTRY.restrict(implementation))
         ep = expert_axes(n_experts)
@@ -257,7 +260,7 @@ def _gather_tokens_fwd(x, order, inverse, k):
 
 def _gather_tokens_bwd(k, res, d):
     (inverse,) = res
-    dx = d[inverse].reshape(-1, k, d.shape[-1]).astype(jnp.float32).sum(1)
+    dx = d[inverse].reshape(d.shape[0] // k, k, d.shape[-1]).astype(jnp.float32).sum(1)
     return dx.astype(d.dtype), None, None
 
 
@@ -307,7 +310,7 @@ def _weighted_sum(ys, order, inverse, topk_weights):
     """The sorted pairs' outputs ``ys [T*k, H]`` back in (token, slot) order and summed over the
     k slots with the gate values: ``[T, H]`` in ``ys``'s dtype."""
     t, k = topk_weights.shape
-    y = _permute(ys, inverse, order).reshape(t, k, -1)
+    y = _permute(ys, inverse, order).reshape(t, k, ys.shape[-1])
     # an elementwise product and a k-sum (a fused reduce in float32, not a dot that a GPU may
     # run in TF32)
     out = (y.astype(jnp.float32) * topk_weights.astype(jnp.float32)[..., None]).sum(1)
