@@ -7,10 +7,13 @@ The mix, as the MoE layers run it (weights in the checkpoints' [E, out, in] layo
 process's dense bf16 matmul (8192³, :func:`benchmarks.common.matmul_tflops`). ``--torch`` also
 times ``torch._grouped_mm`` on the same shapes in a separate process (JAX holds the GPU's memory),
 with its own 8192³ matmul (cuBLAS, CUDA events); each JAX row is then also given as a fraction of
-that matmul, the stronger reference where it is faster. JAX rows: host wall-clock medians of
---runs after 3 warm-ups. Accuracy: tests/test_ops_grouped_matmul.py.
+that matmul, the stronger reference where it is faster. ``--tokamax`` also times tokamax's
+``ragged_dot`` (``implementation="mosaic"``: its Pallas Mosaic-GPU kernels, compiled by XLA with
+the step) in this process, with the weights in its own [E, in, out] layout. JAX rows: host
+wall-clock medians of --runs after 3 warm-ups. Accuracy: tests/test_ops_grouped_matmul.py.
 
-    python benchmarks/ops/grouped_matmul.py [--experts 8,64,256] [--impl cuda] [--torch] [--out [FILE]]
+    python benchmarks/ops/grouped_matmul.py [--experts 8,64,256] [--impl cuda] [--torch]
+        [--tokamax] [--out [FILE]]
 """
 
 from __future__ import annotations
@@ -45,13 +48,26 @@ def median_ms(f, args, n, warm=3):
     return float(np.median(times))
 
 
-def mix(impl):
+def ours(impl):
+    """jax_dsa's grouped_matmul on weights in the checkpoints' [E, out, in] layout."""
+    return (lambda lhs, w, sizes: grouped_matmul(lhs, w, sizes, transpose_rhs=True,
+                                                  implementation=impl)), True
+
+
+def tokamax_mosaic():
+    """tokamax's ragged_dot (Pallas Mosaic GPU) on weights in its [E, in, out] layout."""
+    import tokamax
+
+    return (lambda lhs, w, sizes: tokamax.ragged_dot(lhs, w, sizes,
+                                                     implementation="mosaic")), False
+
+
+def mix(dot):
     def run(x, wg, wu, wd, sizes):
-        kw = dict(transpose_rhs=True, implementation=impl)
-        gate = grouped_matmul(x, wg, sizes, **kw)
-        up = grouped_matmul(x, wu, sizes, **kw)
+        gate = dot(x, wg, sizes)
+        up = dot(x, wu, sizes)
         a = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        return grouped_matmul(a, wd, sizes, **kw)
+        return dot(a, wd, sizes)
 
     def loss(x, wg, wu, wd, sizes, dy):
         return jnp.sum(run(x, wg, wu, wd, sizes).astype(jnp.float32) * dy)
@@ -61,25 +77,26 @@ def mix(impl):
     return fwd, bwd
 
 
-def jax_rows(experts, impl, n_runs):
-    dense = common.matmul_tflops()
+def jax_rows(experts, dot_and_layout, n_runs, dense):
+    dot, out_in = dot_and_layout
     rows = []
     for e in experts:
         rng = np.random.default_rng(e)
         sizes = jnp.asarray(rng.multinomial(M, np.ones(e) / e), jnp.int32)
         k = jax.random.split(jax.random.key(e), 5)
         x = jax.random.normal(k[0], (M, D), jnp.bfloat16)
-        wg, wu = (jax.random.normal(k[i], (e, F, D), jnp.bfloat16) * 0.02 for i in (1, 2))
-        wd = jax.random.normal(k[3], (e, D, F), jnp.bfloat16) * 0.02
+        up_shape, down_shape = ((e, F, D), (e, D, F)) if out_in else ((e, D, F), (e, F, D))
+        wg, wu = (jax.random.normal(k[i], up_shape, jnp.bfloat16) * 0.02 for i in (1, 2))
+        wd = jax.random.normal(k[3], down_shape, jnp.bfloat16) * 0.02
         dy = jax.random.normal(k[4], (M, D), jnp.float32)
-        fwd, bwd = mix(impl)
+        fwd, bwd = mix(dot)
         f_ms = median_ms(fwd, (x, wg, wu, wd, sizes), n_runs)
         b_ms = median_ms(bwd, (x, wg, wu, wd, sizes, dy), n_runs)
         f_tf, fb_tf = 6 * M * D * F / f_ms / 1e9, 18 * M * D * F / b_ms / 1e9
         rows.append({"experts": e, "fwd_ms": f_ms, "fwd_tflops": f_tf, "fwd_bwd_ms": b_ms,
                      "fwd_bwd_tflops": fb_tf, "fwd_bwd_vs_matmul": fb_tf / dense})
         del x, wg, wu, wd, dy
-    return dense, rows
+    return rows
 
 
 TORCH = r"""
@@ -128,6 +145,7 @@ def main():
     p.add_argument("--impl", default="cuda")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--torch", action="store_true", help="also time torch._grouped_mm")
+    p.add_argument("--tokamax", action="store_true", help="also time tokamax.ragged_dot")
     common.add_result_args(p)
     args = p.parse_args()
     experts = [int(e) for e in args.experts.split(",")]
@@ -140,7 +158,14 @@ def main():
                               capture_output=True, text=True)
         result["torch_grouped_mm"] = (json.loads(done.stdout) if done.returncode == 0
                                       else {"error": done.stderr[-2000:]})
-    result["matmul_tflops"], result["rows"] = jax_rows(experts, args.impl, args.runs)
+    result["matmul_tflops"] = dense = common.matmul_tflops()
+    result["rows"] = jax_rows(experts, ours(args.impl), args.runs, dense)
+    if args.tokamax:
+        try:
+            result["tokamax_mosaic"] = {"rows": jax_rows(experts, tokamax_mosaic(), args.runs,
+                                                         dense)}
+        except Exception as err:  # noqa: BLE001 - record why it could not run
+            result["tokamax_mosaic"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     print(f"same-process bf16 matmul 8192^3: {result['matmul_tflops']:.0f} TFLOP/s")
     torch_rows = {r["experts"]: r for r in result.get("torch_grouped_mm", {}).get("rows", [])}
     torch_mm = result.get("torch_grouped_mm", {}).get("matmul_tflops")
@@ -148,8 +173,15 @@ def main():
         print(f"torch (cuBLAS) bf16 matmul 8192^3: {torch_mm:.0f} TFLOP/s")
         for r in result["rows"]:
             r["fwd_bwd_vs_torch_matmul"] = r["fwd_bwd_tflops"] / torch_mm
+    tk_rows = {r["experts"]: r for r in result.get("tokamax_mosaic", {}).get("rows", [])}
+    if "error" in result.get("tokamax_mosaic", {}):
+        print("tokamax:", result["tokamax_mosaic"]["error"][:300])
     for r in result["rows"]:
         t = torch_rows.get(r["experts"], {})
+        if r["experts"] in tk_rows:
+            r["vs_tokamax"] = r["fwd_bwd_tflops"] / tk_rows[r["experts"]]["fwd_bwd_tflops"]
+            print(f"E {r['experts']:4d}: tokamax mosaic fwd+bwd "
+                  f"{tk_rows[r['experts']]['fwd_bwd_tflops']:.0f} TFLOP/s")
         print(f"E {r['experts']:4d}: fwd {r['fwd_tflops']:.0f}, fwd+bwd {r['fwd_bwd_tflops']:.0f} "
               f"TFLOP/s = {r['fwd_bwd_vs_matmul']:.2f}x matmul; torch._grouped_mm "
               f"{t.get('fwd_bwd_tflops', float('nan')):.0f} = "
