@@ -83,8 +83,9 @@ def kl_index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
     return jax.nn.logsumexp(jnp.where(vis, score, -jnp.inf), axis=-1)
 
 
-def kl_backward_kernel(iq, ik, iw, idx, dscore):
-    """``kl_loss_cuda.backward_kernel``: ``(d_iq, d_ik, d_w)``."""
+def kl_backward_kernel(iq, ik, iw, idx, dscore, deterministic=False):
+    """``kl_loss_cuda.backward_kernel``: ``(d_iq, d_ik, d_w)`` (the same in either mode)."""
+    del deterministic
     nb, s_q, h_i, d_i = iq.shape
     s_kv = ik.shape[1]
     valid = (idx >= 0) & (idx < s_kv)
@@ -102,8 +103,9 @@ def kl_backward_kernel(iq, ik, iw, idx, dscore):
     return d_iq, d_ik, d_w
 
 
-def kl_dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
-    """``kl_loss_cuda.dense_backward_kernel``: ``(d_iq, d_ik, d_w, score)``."""
+def kl_dense_backward_kernel(iq, ik, iw, idx, target, index_lse, deterministic=False):
+    """``kl_loss_cuda.dense_backward_kernel``: ``(d_iq, d_ik, d_w, score)`` (either mode)."""
+    del deterministic
     s_kv = ik.shape[1]
     valid = (idx >= 0) & (idx < s_kv)
     zeros = jnp.zeros  # positions that make every valid slot visible
@@ -145,9 +147,10 @@ def v4_forward_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
 # jax_dsa.ops.sparse_mla.cuda
 
 
-def backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
-    """``sparse_mla.cuda.cuda_backward_rows`` (the cuDNN backward on flat rows): ``(dq, dkv,
+def backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale, deterministic=False):
+    """``sparse_mla.cuda.cuda_backward_rows`` (either backward kernel on flat rows): ``(dq, dkv,
     d_sink)`` float32 (gathers ``[T, Kb, D_qk]``)."""
+    del deterministic
     d_v = out.shape[-1]
     valid = (rows >= 0) & (jnp.arange(rows.shape[1]) < length[:, None])
     safe = jnp.where(valid, rows, 0)

@@ -313,7 +313,7 @@ def test_glue_under_sharding_matches_unsharded(reference_kernels, monkeypatch, s
 # CUDA lowering (no GPU needed)
 
 
-def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k):
+def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k, deterministic=False):
     f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sds = jax.ShapeDtypeStruct
     iq, ik, iw = sds((nb, s_q, h_i, 128), bf), sds((nb, s_kv, 128), bf), sds((nb, s_q, h_i), f32)
@@ -323,7 +323,7 @@ def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k):
     def loss(iq, ik, iw, q, kv, qp, kp, idx):
         return op(iq, ik, iw, q, kv, sm_scale=0.07, q_positions=qp, kv_positions=kp,
                   q_segment_ids=qp // 64, kv_segment_ids=kp // 64, indices=idx,
-                  implementation="cuda")
+                  implementation="cuda", deterministic=deterministic)
 
     text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
             .trace(iq, ik, iw, q, kv, qp, kp, idx).lower(lowering_platforms=("cuda",)).as_text())
@@ -384,6 +384,40 @@ def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
         assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_passes_a_scale_and_a_fixed_point_workspace(cuda_op, deterministic):
+    """deterministic=True gives the backward kernel fixed_scale [1] and a workspace of 8 bytes
+    per d_ik element (its 64-bit sums); False gives [0] and [0] (the float32 atomics)."""
+    nb, s_q, s_kv, h_i = 1, 40, 50, 32
+    _, calls = _lower_cuda_grad(cuda_op, nb, s_q, s_kv, 64, 576, h_i, 64, deterministic)
+    (bwd,) = [c for c in calls if c[0] == kl_loss_cuda.BWD_TARGET]
+    _, _, _, operands, results = bwd
+    ws = nb * s_kv * 128 * 8 if deterministic else 0
+    assert operands.rstrip().endswith(f"tensor<{1 if deterministic else 0}xf32>"), operands
+    assert f"tensor<{ws}xui8>" in results, results
+
+
+def test_deterministic_is_checked(cuda_op):
+    with pytest.raises(TypeError, match="deterministic must be None or a Python bool"):
+        _lower_cuda_grad(cuda_op, 1, 8, 8, 64, 576, 32, 8, deterministic="yes")
+
+
+def test_fixed_point_scale_bounds_every_partial_sum():
+    """2^F with bound * 2^F <= 2^62 < 2 * bound * 2^F; a non-finite input is reported."""
+    rng = np.random.default_rng(0)
+    iq = jnp.asarray(rng.standard_normal((2, 16, 4, 128)) * 3, jnp.bfloat16)
+    iw = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    mass = jnp.asarray(np.abs(rng.standard_normal((2, 16))) * 50, jnp.float32)
+    scale, finite = kl_loss_cuda.fixed_point_scale(iq, iw, mass)
+    bound = (np.sum(np.asarray(mass) * np.abs(np.asarray(iw)).sum(-1))
+             * np.abs(np.asarray(iq, np.float32)).max() * 1.01)
+    s = float(scale[0])
+    assert bool(finite) and np.log2(s) == np.round(np.log2(s))
+    assert bound * s <= 2.0 ** 62 < 2 * bound * s
+    _, finite = kl_loss_cuda.fixed_point_scale(iq.at[0, 0, 0, 0].set(jnp.nan), iw, mass)
+    assert not bool(finite)
+
+
 @pytest.mark.parametrize("given_lse", [False, True])
 def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
     """The dense form under jax.grad: the index scores' log-sum-exp, then the target and the
@@ -417,7 +451,8 @@ def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
     (_, _, attrs, operands, results), = [c for c in calls if c[0] == kl_loss_cuda.DENSE_BWD_TARGET]
     assert operands.split(", ") == [f"tensor<{s}x{h_i}x128xbf16>", f"tensor<{s}x128xbf16>",
                                     f"tensor<{s}x{h_i}xf32>", f"tensor<{s}x2048xi32>",
-                                    f"tensor<{s}x2048xf32>", f"tensor<{s}xf32>"], operands
+                                    f"tensor<{s}x2048xf32>", f"tensor<{s}xf32>",
+                                    "tensor<0xf32>"], operands  # no fixed-point scale
     for want in (f"tensor<{s}x{h_i}x128xf32>", f"tensor<{s}x128xf32>", f"tensor<{s}x{h_i}xf32>",
                  f"tensor<{s}x2048xf32>"):
         assert want in results, (want, results)
@@ -465,6 +500,38 @@ def test_gpu_kernels_match_their_contracts(nb, s_q, s_kv, h, d_qk, h_i, k, segme
     for name, a, b in zip(("d_iq", "d_ik", "d_w"), got, want):
         assert np.all(np.isfinite(np.asarray(a))), name
         assert rel_l2(a, b) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb,s_q,s_kv,h,d_qk,h_i,k,dense", [
+    (1, 2048, 2048, 64, 576, 32, 2048, False),  # GLM-5 dims
+    (1, 2300, 2300, 16, 576, 32, None, True),   # the dense form, two chunks
+])
+def test_gpu_deterministic_grads_repeat_bitwise(nb, s_q, s_kv, h, d_qk, h_i, k, dense):
+    """deterministic=True: two runs give bitwise identical gradients, as accurate as the
+    default (float64 oracle); a NaN in index_q poisons d index_k."""
+    rng = np.random.default_rng(s_q + 5)
+    x = (dense_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, segments=False) if dense
+         else make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, segments=False))
+    sm_scale = d_qk ** -0.5
+
+    def grads(iq, det=True):
+        def loss(iq, ik, iw):
+            return kl_loss.indexer_kl_loss(
+                iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
+                kv_positions=x["kv_pos"], indices=None if dense else x["idx"],
+                implementation="cuda", deterministic=det)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(iq, x["ik"], x["iw"])
+
+    first, second = grads(x["iq"]), grads(x["iq"])
+    ref = oracle.sparse_kl_loss(x, sm_scale, **({"block": 64} if dense else {}))
+    for name, a, b, want in zip(("d_iq", "d_ik", "d_w"), first, second, ref[1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        assert rel_l2(a, want) <= 1e-2, name
+    default = grads(x["iq"], det=False)
+    assert rel_l2(first[1], default[1]) <= 1e-3  # the same sums, another rounding
+    poisoned = grads(jnp.asarray(x["iq"]).at[0, 3, 0, 0].set(jnp.nan))
+    assert np.all(np.isnan(np.asarray(poisoned[1])))
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ needs_cuda = pytest.mark.skipif("cuda" not in _native.available(),
                                 reason=f"CUDA module not built: {_native.LOAD_ERRORS.get('_cuda')}")
 
 
-def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits=False):
+def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits=False, deterministic=False):
     """StableHLO text of jax.grad of sparse_mla(implementation="cuda") lowered for CUDA, and
     its custom calls as (target, operands, attributes, operand types, result types). With
     ``return_max_logits`` the loss also sums max_logits (which takes no gradient)."""
@@ -41,7 +41,8 @@ def _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, return_max_logits=False):
 
     def loss(q, kv, sink, idx):
         res = sparse_mla(q, kv, idx, sm_scale=0.07, d_v=512, attn_sink=sink,
-                         implementation="cuda", return_max_logits=return_max_logits)
+                         implementation="cuda", return_max_logits=return_max_logits,
+                         deterministic=deterministic)
         extra = jnp.sum(jnp.where(jnp.isfinite(res[2]), res[2], 0)) if return_max_logits else 0
         return jnp.sum(res[0].astype(jnp.float32) ** 2) + extra
 
@@ -74,6 +75,37 @@ def test_grad_lowers_to_the_cuda_backward_call(h, d_qk, k, bucket, hp):
     # the slot lists' stable partition is one kernel call, not a sort or a host-read branch
     assert sparse_mla_cuda.COMPACT_TARGET in {c[0] for c in calls}
     assert "stablehlo.sort" not in text and "stablehlo.case" not in text
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,d_qk,k,hp", [(16, 576, 300, 64), (100, 512, 2048, 128)])
+def test_deterministic_grad_lowers_to_the_own_backward(h, d_qk, k, hp):
+    """deterministic=True: jax_dsa's own backward kernel (attribute deterministic) in place of
+    cuDNN's, on the same glue, with the workspace its launch code asks for."""
+    b, s_q, s_kv = 2, 70, 90
+    text, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k, deterministic=True)
+    targets = {c[0] for c in calls}
+    assert sparse_mla_cuda.CUDA_BWD_TARGET not in targets
+    (own,) = [c for c in calls if c[0] == sparse_mla_cuda.OWN_BWD_TARGET]
+    _, _, attrs, operand_types, result_types = own
+    t, bucket = b * s_q, sparse_mla_cuda.slot_bucket(k)
+    assert f"tensor<{t}x{hp}x{d_qk}xbf16>" in operand_types
+    assert f"tensor<{t}x{bucket}xi32>" in operand_types
+    ws = sparse_mla_cuda.own_backward_workspace_bytes(t, b * s_kv, hp, d_qk, bucket, True)
+    assert f"tensor<{ws}xui8>" in result_types
+    assert "deterministic = true" in attrs
+
+
+@needs_cuda
+@pytest.mark.parametrize("s_q,s_kv,h,d,k", [(1, 1, 64, 512, 1), (70, 90, 128, 576, 2048),
+                                            (16384, 16384, 64, 576, 2048),
+                                            (131072, 131072, 128, 512, 2048)])
+def test_own_backward_workspace_matches_the_launch_code(s_q, s_kv, h, d, k):
+    """The glue's workspace formula is the kernel's own (SparseMlaBwdWorkspaceBytes)."""
+    from jax_dsa import _cuda
+    for det in (False, True):
+        assert (sparse_mla_cuda.own_backward_workspace_bytes(s_q, s_kv, h, d, k, det)
+                == _cuda.sparse_mla_bwd_workspace_bytes(s_q, s_kv, h, d, k, det))
 
 
 def _glue_oracle(idx, length, s_kv, k_out):
@@ -425,6 +457,8 @@ BWD_CASES = [  # (name, batch, s_q, s_kv, h, d, k, sink, lengths, sm_scale, vali
      1 / 16, False),
     ("wide H64 D512 K8320 sink S_q64 S_kv9000", (), 64, 9000, 64, 512, 8320, True, False,
      512**-0.5, False),
+    ("v3.2 H128 D576 K640 sink S_q100 S_kv1500 topk_length", (), 100, 1500, 128, 576, 640, True,
+     True, 192**-0.5, False),
 ]
 
 
@@ -453,29 +487,36 @@ def _bwd_case(rng, batch, s_q, s_kv, h, d, k, sink, lengths, valid_first):
                 dout=jnp.asarray(dout, bf))
 
 
-def _grads(c, impl, sm_scale, dtype=None):
+def _grads(c, impl, sm_scale, dtype=None, deterministic=False):
     q, kv, dout, sink = c["q"], c["kv"], c["dout"], c["sink"]
     if dtype is not None:
         q, kv, dout, sink = (x.astype(dtype) for x in (q, kv, dout, sink))
 
     def f(q, kv, sink):
         return sparse_mla(q, kv, c["idx"], sm_scale=sm_scale, d_v=512, attn_sink=sink,
-                          topk_length=c["length"], implementation=impl)
+                          topk_length=c["length"], implementation=impl,
+                          deterministic=deterministic)
 
     (_, lse), vjp = jax.vjp(f, q, kv, sink)
     return [np.asarray(x, np.float64) for x in vjp((dout, jnp.zeros_like(lse)))]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["cudnn", "deterministic"])
 @pytest.mark.parametrize("case", BWD_CASES, ids=[c[0] for c in BWD_CASES])
-def test_gpu_backward_matches_float64(case):
+def test_gpu_backward_matches_float64(case, deterministic):
     """Every gradient finite and within relative L2 1e-2 of float64 (without a sink its
-    gradient at most 1e-2 in absolute value), and zero dq on the empty row."""
+    gradient at most 1e-2 in absolute value), and zero dq on the empty row. Deterministic (the
+    own kernel): a second run bitwise identical."""
     name, batch, s_q, s_kv, h, d, k, sink, lengths, sm_scale, valid_first = case
     seed = int(np.random.SeedSequence().entropy % 2**32)
     c = _bwd_case(np.random.default_rng(seed), batch, s_q, s_kv, h, d, k, sink, lengths,
                   valid_first)
-    got = _grads(c, "cuda", sm_scale)
+    got = _grads(c, "cuda", sm_scale, deterministic=deterministic)
+    if deterministic:
+        again = _grads(c, "cuda", sm_scale, deterministic=True)
+        for g_name, a, b in zip(("dq", "dkv", "d_attn_sink"), got, again):
+            np.testing.assert_array_equal(a, b, err_msg=g_name)
     with jax.enable_x64(True):
         want = _grads(c, "xla", sm_scale, jnp.float64)
     info = f"{name} (seed {seed})"

@@ -50,11 +50,13 @@ def timed(fn, *args, repeats):
             "min_ms": round(1e3 * min(runs), 3)}
 
 
-def make_layer_step(c, s, implementation, kl=True, mode="sparse", frozen=False):
+def make_layer_step(c, s, implementation, kl=True, mode="sparse", frozen=False,
+                    deterministic=None):
     """``(step, args)``: the layer's jitted forward+backward ``step(*args)`` with random weights
     and the input of one batch row as its arguments (none closed over: XLA would fold them into
     the program as constants); ``frozen``: the dense warm-up's recipe (DeepSeek-V3.2 §2.1), the
-    gradient of the indexer loss in the indexer's parameters alone."""
+    gradient of the indexer loss in the indexer's parameters alone; ``deterministic``: the
+    layer's argument."""
     attn = DSAAttention(c, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (1, s, c.hidden_size), jnp.bfloat16)
 
@@ -66,7 +68,8 @@ def make_layer_step(c, s, implementation, kl=True, mode="sparse", frozen=False):
         def step(index_p, p, rest, x):
             def loss(ip):
                 _, aux = nnx.merge(graphdef, ip, p, rest)(x, attention_mode=mode,
-                                                          implementation=implementation)
+                                                          implementation=implementation,
+                                                          deterministic=deterministic)
                 return aux["indexer_loss"]
             return jax.grad(loss)(index_p)
         return step, (index_p, params, rest, x)
@@ -78,7 +81,8 @@ def make_layer_step(c, s, implementation, kl=True, mode="sparse", frozen=False):
         def loss(p, x):
             y, aux = nnx.merge(graphdef, p, rest)(x, attention_mode=mode,
                                                   implementation=implementation,
-                                                  compute_indexer_loss=kl)
+                                                  compute_indexer_loss=kl,
+                                                  deterministic=deterministic)
             total = jnp.mean(y.astype(jnp.float32) ** 2)
             return total + (aux["indexer_loss"] if kl else 0.0)
         return jax.grad(loss, argnums=(0, 1))(p, x)

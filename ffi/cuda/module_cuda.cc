@@ -3,6 +3,8 @@
 //   jax_dsa_sparse_mla_fwd_cuda, jax_dsa_dense_mla_fwd_cuda, jax_dsa_sparse_mla_target_cuda:
 //       the own forward kernel (sparse_mla_fwd/handler.cc)
 //   jax_dsa_dsa_bwd_cuda: the cuDNN frontend's DSA backward (dsa_bwd/handler.cc)
+//   jax_dsa_sparse_mla_bwd_cuda: jax_dsa's own backward, with a deterministic mode
+//       (sparse_mla_bwd/handler.cc)
 //   jax_dsa_compact_slots_cuda: the backward glue's slot compaction (slot_compact/handler.cc)
 //   jax_dsa_grouped_matmul_{fwd,dgrad,wgrad}_cuda: the routed experts' grouped GEMMs
 //       (grouped_matmul/handler.cc)
@@ -13,6 +15,7 @@
 
 #include "cuda/dsa_bwd/launch.h"
 #include "cuda/grouped_matmul/grouped_matmul.h"
+#include "cuda/sparse_mla_bwd/launch.h"
 #include "cuda/sparse_mla_fwd/variants.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,6 +25,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDenseMlaFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaTargetCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDsaBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaInit);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaCompactSlotsCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaGroupedMatmulFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaGroupedMatmulDgradCuda);
@@ -54,6 +58,7 @@ NB_MODULE(_cuda, m) {
     d["jax_dsa_dense_mla_fwd_cuda"] = Staged(JaxDsaSparseMlaFwdCudaInit, JaxDsaDenseMlaFwdCuda);
     d["jax_dsa_sparse_mla_target_cuda"] = Staged(JaxDsaSparseMlaFwdCudaInit, JaxDsaSparseMlaTargetCuda);
     d["jax_dsa_dsa_bwd_cuda"] = Staged(JaxDsaDsaBwdCudaInit, JaxDsaDsaBwdCuda);
+    d["jax_dsa_sparse_mla_bwd_cuda"] = Capsule(JaxDsaSparseMlaBwdCuda);
     d["jax_dsa_compact_slots_cuda"] = Capsule(JaxDsaCompactSlotsCuda);
     d["jax_dsa_grouped_matmul_fwd_cuda"] = Capsule(JaxDsaGroupedMatmulFwdCuda);
     d["jax_dsa_grouped_matmul_dgrad_cuda"] = Capsule(JaxDsaGroupedMatmulDgradCuda);
@@ -64,6 +69,12 @@ NB_MODULE(_cuda, m) {
         nb::arg("num_groups"), "Bytes of the grouped matmul kernels' workspace output.");
   m.def("workspace_bytes", &jax_dsa::WorkspaceBytes, nb::arg("s_q"), nb::arg("s_kv"), nb::arg("h"), nb::arg("d"),
         "Bytes of the backward's workspace output (the frontend's SM90 formula).");
+  m.def("sparse_mla_bwd_workspace_bytes",
+        [](int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t k, bool deterministic) {
+          return jax_dsa::sparse_mla_bwd::SparseMlaBwdWorkspaceBytes(s_q, s_kv, h, d, k, deterministic);
+        },
+        nb::arg("s_q"), nb::arg("s_kv"), nb::arg("h"), nb::arg("d"), nb::arg("k"), nb::arg("deterministic"),
+        "Bytes of the own backward's workspace output (0: unsupported dimensions).");
   m.def("variants", []() {
     nb::list l;
     for (int i = 0; i < jax_dsa::kNumMainKernels; ++i) {

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -72,6 +73,13 @@ __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Adds x * scale, rounded to the nearest integer, to a 64-bit two's-complement fixed-point sum:
+// integer addition is associative, so the sum is the same whatever order the adds land in.
+__device__ __forceinline__ void RedAddFixed(unsigned long long* p, float x, float scale) {
+  const unsigned long long v = static_cast<unsigned long long>(__float2ll_rn(x * scale));
+  asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void RedAddV4(float* p, float a, float b, float c, float d) {
@@ -509,10 +517,13 @@ constexpr int WgStages(bool bulk, bool pair) { return bulk ? (pair ? 2 : 3) : 4;
 // invalid in one of them: neighbouring rows of a dense chunk), S, G and dQ are the 64-head
 // products of one tile and U = sum over both rows, so that each key row gets one reduction for
 // both. Where they disagree (a document or batch boundary), the CTA runs twice, one row masked.
-template <int HI, bool BULK, bool DENSE = false, bool PAIR = false>
+// FIXED (BwdArgs::d_ik_fixed, the deterministic mode): U is added to d_ik_fixed as 64-bit
+// fixed point (RedAddFixed) instead of to d_ik; LaunchBwd converts the sums to d_ik afterwards.
+template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false>
 __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
   using namespace sm90;
   static_assert(!PAIR || (DENSE && HI == 64), "PAIR: the dense form at 64 stacked heads");
+  static_assert(!FIXED || !BULK, "FIXED adds from registers");
   constexpr int kWgStages = WgStages(BULK, PAIR);
   constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
   constexpr int KK = HI / 16;  // k16 steps of (3)
@@ -759,7 +770,21 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     WgFenceOperand(acc_q[0]);
     WgFenceOperand(acc_q[1]);
     const int j0 = sm.tiles[it] * kBTile;
-    if constexpr (BULK) {
+    if constexpr (FIXED) {
+      // acc_u[4 j + 2 hr + e] is U[slot r0 + 8 hr, column 8 j + 2 q4 + e].
+      const float scale = *a.fixed_scale;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = rows[j0 + r0 + 8 * hr];
+        if (row < 0) continue;
+        unsigned long long* dst = a.d_ik_fixed + int64_t(row) * kIndexHeadDim + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          RedAddFixed(dst + 8 * j, acc_u[4 * j + 2 * hr], scale);
+          RedAddFixed(dst + 8 * j + 1, acc_u[4 * j + 2 * hr + 1], scale);
+        }
+      }
+    } else if constexpr (BULK) {
       if (tid < kBTile) BulkWaitRead();  // the previous tile's reductions have read the staging
       __syncthreads();
 #pragma unroll
@@ -901,13 +926,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 
 int FwdClusters(int64_t k) { return int((k + kSlotsPerCta - 1) / kSlotsPerCta); }
 
-template <int HI, bool BULK, bool DENSE = false, bool PAIR = false>
+template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false>
 cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
   constexpr int kStages = WgStages(BULK, PAIR);
   // rows (int32) and dscore (float32) or PAIR's validity bits (uint8) a slot; + alignment
   const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * (PAIR ? 5 : 8) + 1024;
-  auto kernel = KlBwdKernelWg<HI, BULK, DENSE, PAIR>;
+  auto kernel = KlBwdKernelWg<HI, BULK, DENSE, PAIR, FIXED>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
   const int64_t grid = PAIR ? (a.t + 1) / 2 : a.t;
@@ -976,8 +1001,32 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// d_ik = d_ik_fixed / scale (exact power of two), element by element.
+__global__ void FixedToFloatKernel(const unsigned long long* fixed, const float* scale, float* out,
+                                   int64_t n) {
+  const double inv = 1.0 / double(*scale);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = float(double(static_cast<long long>(fixed[i])) * inv);
+}
+
 cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
-  const size_t bytes = size_t(a.t / a.s_q) * size_t(a.s_kv) * kIndexHeadDim * sizeof(float);
+  const int64_t n_ik = (a.t / a.s_q) * a.s_kv * kIndexHeadDim;
+  if (a.d_ik_fixed != nullptr) {
+    // Deterministic: one 64-bit fixed-point sum per element, in any order, then d_ik from it.
+    cudaError_t e = cudaMemsetAsync(a.d_ik_fixed, 0, size_t(n_ik) * 8, stream);
+    if (e != cudaSuccess) return e;
+    if (a.t > 0) {
+      e = a.index_lse != nullptr ? LaunchBwdWgHi<64, false, true, false, true>(a, stream)
+                                 : LaunchBwdWgHi<64, false, false, false, true>(a, stream);
+      if (e != cudaSuccess) return e;
+    }
+    if (n_ik == 0) return cudaSuccess;
+    FixedToFloatKernel<<<unsigned(std::min<int64_t>((n_ik + 255) / 256, 4096)), 256, 0, stream>>>(
+        a.d_ik_fixed, a.fixed_scale, a.d_ik, n_ik);
+    return cudaGetLastError();
+  }
+  const size_t bytes = size_t(n_ik) * sizeof(float);
   cudaError_t e = cudaMemsetAsync(a.d_ik, 0, bytes, stream);
   if (e != cudaSuccess || a.t == 0) return e;
   // At <= 32 index heads the bulk reductions; above, red.v4 atomics (measured faster there).

@@ -102,10 +102,15 @@ struct BwdArgs {
   const float* index_lse = nullptr;  // [T] log sum over the row's visible keys of exp(I)
   const float* target = nullptr;     // [T, K] the target's probability of each slot
   float* score = nullptr;            // [T, K]
-  // Unused. Keeps the kernels' parameter block at 136 bytes, the size their code was measured
-  // with: NVVM compiles a parameter struct of at most 128 bytes differently (its fields loaded
-  // into registers up front), which changes kernel B's generated code.
-  int32_t reserved = 0;
+  // The deterministic mode (nullptr: off): d_ik is summed as 64-bit fixed point in d_ik_fixed
+  // [NB * s_kv, 128] (zeroed here; the handler's workspace), each term x added as
+  // round(x * *fixed_scale), then d_ik = d_ik_fixed / *fixed_scale. The caller picks the scale, a
+  // power of two, so that no partial sum reaches 2^63 (jax_dsa/ops/indexer/kl_loss/cuda.py).
+  unsigned long long* d_ik_fixed = nullptr;
+  const float* fixed_scale = nullptr;  // [1], device memory
+  // The struct is 152 bytes. NVVM compiles a parameter struct of at most 128 bytes differently
+  // (its fields loaded into registers up front), which changes kernel B's generated code: kernel
+  // B was measured with more than 128.
 };
 
 // Why the arguments cannot be launched (nullptr when they can): the static limits above.

@@ -164,6 +164,7 @@ class DeepseekV4Attention(nnx.Module):
         attention_mode: str = "sparse",
         implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
+        deterministic: bool | None = None,
     ):
         """Attention output and aux values.
 
@@ -183,6 +184,9 @@ class DeepseekV4Attention(nnx.Module):
             ``indexer_topk``, ``v4_indexer_kl_loss``): a name, a sequence of names or ``None``;
             an op that lacks the named implementations uses its default order.
           compute_indexer_loss: compute the CSA indexer's KL loss (CSA layers only).
+          deterministic: passed to every op the layer calls: ``True`` makes their backward
+            passes sum in a fixed order (bitwise reproducible gradients), ``None`` (default)
+            follows XLA's ``--xla_gpu_deterministic_ops`` (:mod:`jax_dsa.ops.determinism`).
 
         Returns:
           ``(out [B, S, hidden_size] in the compute dtype, aux)`` with ``aux["indices"]`` the
@@ -256,12 +260,12 @@ class DeepseekV4Attention(nnx.Module):
                 kv_dense_positions=layout.positions,
                 q_segment_ids=query_segments(positions, segment_ids),
                 kv_dense_segment_ids=layout.segment_ids, attn_sink=sinks, topk_length=lengths,
-                implementation=implementation,
+                implementation=implementation, deterministic=deterministic,
             )
         else:
             o, lse = sparse_mla(
                 q, kv_all, indices, sm_scale=c.softmax_scale, d_v=d, attn_sink=sinks,
-                topk_length=lengths, implementation=implementation,
+                topk_length=lengths, implementation=implementation, deterministic=deterministic,
             )
         o = apply_rope_tail(o, cos[:, :, None], -sin[:, :, None])
         sharding = None
@@ -282,6 +286,7 @@ class DeepseekV4Attention(nnx.Module):
                 q_segment_ids=query_segments(positions, segment_ids),
                 kv_segment_ids=layout.segment_ids, indices=topk,
                 implementation=V4_KL_REGISTRY.restrict(implementation),
+                deterministic=deterministic,
             ).astype(jnp.float32)
         aux = {"indices": indices, "topk_length": lengths, "topk": topk, "indexer_loss": loss}
         return out, aux

@@ -97,6 +97,7 @@ class DeepseekV4LanguageModel(nnx.Module):
         implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
         return_indices: bool = False,
+        deterministic: bool | None = None,
     ):
         """Next-token logits and the CSA indexer loss.
 
@@ -111,6 +112,10 @@ class DeepseekV4LanguageModel(nnx.Module):
           implementation: passed to every DSA op of every layer and to the MoE layers' grouped
             matmuls (``None``: each op's default order).
           compute_indexer_loss: compute the CSA layers' indexer KL losses.
+          deterministic: passed to every DSA op of every layer (``True``: bitwise reproducible
+            gradients of the DSA ops; ``None``: XLA's ``--xla_gpu_deterministic_ops`` decides,
+            which also makes XLA's own scatters, e.g. the embedding's and the experts'
+            gradients, deterministic: set it for a bitwise reproducible training step).
           return_indices: also return each layer's slot lists (``aux["indices"]``) and lengths
             (``aux["topk_length"]``).
 
@@ -144,6 +149,7 @@ class DeepseekV4LanguageModel(nnx.Module):
             streams, aux = layer(
                 streams, input_ids, positions, segment_ids, attention_mode=attention_mode,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,
+                deterministic=deterministic,
             )
             if aux["indexer_loss"] is not None:
                 losses.append(aux["indexer_loss"])
@@ -159,7 +165,7 @@ class DeepseekV4LanguageModel(nnx.Module):
             streams, h, aux = layer.predict(
                 streams, self.embed_tokens(ids_k), ids_k, positions, segment_ids,
                 attention_mode=attention_mode, implementation=implementation,
-                compute_indexer_loss=compute_indexer_loss,
+                compute_indexer_loss=compute_indexer_loss, deterministic=deterministic,
             )
             mtp_logits.append(constrain(self.lm_head(h).astype(jnp.float32),
                                         ("batch", "sequence", "vocab")))

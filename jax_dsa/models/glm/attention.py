@@ -133,6 +133,7 @@ class DSAAttention(nnx.Module):
         indices=None,
         implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
+        deterministic: bool | None = None,
     ):
         """Attention output and aux values.
 
@@ -154,6 +155,9 @@ class DSAAttention(nnx.Module):
             sequence of names or ``None``; an op that lacks the named implementations uses its
             default order.
           compute_indexer_loss: compute the indexer KL loss (full layers only).
+          deterministic: passed to every op the layer calls: ``True`` makes their backward
+            passes sum in a fixed order (bitwise reproducible gradients), ``None`` (default)
+            follows XLA's ``--xla_gpu_deterministic_ops`` (:mod:`jax_dsa.ops.determinism`).
 
         Returns:
           ``(out [B, S, hidden_size] in the compute dtype, aux)`` with ``aux["indices"]`` the
@@ -200,6 +204,7 @@ class DSAAttention(nnx.Module):
                 q, kv, sm_scale=c.softmax_scale, d_v=c.d_v, q_positions=positions,
                 kv_positions=positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 implementation=DENSE_REGISTRY.restrict(implementation),
+                deterministic=deterministic,
             )
         else:
             own = indices is None  # slots from this layer's indexer: all visible
@@ -213,7 +218,8 @@ class DSAAttention(nnx.Module):
                     indices, index_scores = indices
             indices = indices.astype(jnp.int32)
             o_lat, lse = sparse_mla(
-                q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation
+                q, kv, indices, sm_scale=c.softmax_scale, d_v=c.d_v, implementation=implementation,
+                deterministic=deterministic,
             )
             if not own:  # given slots may hold keys the KL's support leaves out
                 lse = None
@@ -231,5 +237,6 @@ class DSAAttention(nnx.Module):
                 # recomputed from a softmax ("cuda": the attention kernel's target mode)
                 attention_lse=lse, index_scores=index_scores,
                 implementation=KL_REGISTRY.restrict(implementation),
+                deterministic=deterministic,
             ).astype(jnp.float32)
         return out, {"indices": indices, "indexer_loss": loss}

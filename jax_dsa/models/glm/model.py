@@ -111,6 +111,7 @@ class DSALanguageModel(nnx.Module):
         implementation: str | tuple[str, ...] | None = None,
         compute_indexer_loss: bool = True,
         return_indices: bool = False,
+        deterministic: bool | None = None,
     ):
         """Next-token logits and the indexer loss.
 
@@ -123,6 +124,10 @@ class DSALanguageModel(nnx.Module):
           implementation: passed to every DSA op of every layer and to the MoE layers' grouped
             matmuls (``None``: each op's default order).
           compute_indexer_loss: compute the per-layer indexer KL losses.
+          deterministic: passed to every DSA op of every layer (``True``: bitwise reproducible
+            gradients of the DSA ops; ``None``: XLA's ``--xla_gpu_deterministic_ops`` decides,
+            which also makes XLA's own scatters, e.g. the embedding's and the experts'
+            gradients, deterministic: set it for a bitwise reproducible training step).
           return_indices: also return each layer's slot lists in ``aux["indices"]`` (``None``
             per layer in dense mode, which builds none).
 
@@ -156,6 +161,7 @@ class DSALanguageModel(nnx.Module):
             x, aux = layer(
                 x, positions, segment_ids, attention_mode=attention_mode, indices=indices,
                 implementation=implementation, compute_indexer_loss=compute_indexer_loss,
+                deterministic=deterministic,
             )
             x = constrain(x, ("batch", "sequence", "embed"))
             if full:

@@ -14,6 +14,7 @@ class Call:
     Attributes:
       dtype: q's and kv's dtype. h: heads. d_qk: key width. d_v: value width.
       s_q, s_kv: query and key rows per batch element. segmented: segment ids were given.
+      deterministic: bitwise reproducible gradients were asked for.
     """
 
     dtype: np.dtype
@@ -23,6 +24,7 @@ class Call:
     s_q: int
     s_kv: int
     segmented: bool
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Config:
       backward_implementation: the one whose ``backward`` runs the backward pass: the chosen one,
         or ``"xla"``'s when the chosen one has none.
       block_q: query rows per block of the ``"xla"`` implementation (its forward and backward).
+      deterministic: the backward sums in a fixed order (:mod:`jax_dsa.ops.determinism`).
     """
 
     sm_scale: float
@@ -43,3 +46,4 @@ class Config:
     implementation: object
     backward_implementation: object
     block_q: int
+    deterministic: bool = False

@@ -115,10 +115,11 @@ BWD_CHUNK = 8192  # key columns per backward kernel call (its wide variant past 
 
 
 def cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse, dout, *,
-                        sm_scale):
+                        sm_scale, deterministic=False):
     """``(dq [B, S_q, H, D_qk], dkv [B, S_kv, D_qk])`` float32 and ``d_attn_sink [H]`` float32
     of the dense forward, from its ``out`` and ``lse`` (natural log, sink-free, +inf for rows
-    without keys) and ``dout [B, S_q, H, d_v]``; see the module docstring."""
+    without keys) and ``dout [B, S_q, H, d_v]``; see the module docstring. ``deterministic``:
+    the chunks' backward in its deterministic mode (the chunks add in scan order)."""
     nb, s_q, h, d_qk = q.shape
     s_kv, d_v = kv.shape[1], out.shape[-1]
     f32, bf = jnp.float32, jnp.bfloat16
@@ -153,7 +154,7 @@ def cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, attn_sink, out, lse
         lse_c = jnp.where((n > 0)[..., None], lse_full, jnp.inf)
         dq, dkv, _ = cuda_backward_rows(q, kv, out, dout, lse_c.reshape(t, hp), no_sink,
                                         rows.reshape(t, bucket), jnp.maximum(n, 1).reshape(t),
-                                        sm_scale=sm_scale)
+                                        sm_scale=sm_scale, deterministic=deterministic)
         return (carry[0] + dq.astype(f32), carry[1] + dkv.astype(f32)), None
 
     init = (jnp.zeros((t, hp, d_qk), f32), jnp.zeros((nb * s_kv, d_qk), f32))
@@ -183,7 +184,8 @@ def _forward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, config: Config):
 
 def _backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, out, lse, dout, config: Config):
     dq, dkv, d_sink = cuda_dense_backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, out, lse,
-                                          dout, sm_scale=config.sm_scale)
+                                          dout, sm_scale=config.sm_scale,
+                                          deterministic=config.deterministic)
     return dq.astype(q.dtype), dkv.astype(kv.dtype), d_sink.astype(sink.dtype)
 
 

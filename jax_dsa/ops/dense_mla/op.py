@@ -37,6 +37,7 @@ from jax_dsa.ops.dense_mla import cuda, sharding, xla
 from jax_dsa.ops.dense_mla.config import Call, Config
 from jax_dsa.ops.checks import check_positions
 from jax_dsa.ops.checks import check_attention_args
+from jax_dsa.ops import determinism
 from jax_dsa.ops.registry import Registry
 
 REGISTRY = Registry(
@@ -64,6 +65,7 @@ def dense_mla(
     kv_segment_ids=None,
     attn_sink=None,
     implementation: str | None = None,
+    deterministic: bool | None = None,
 ):
     """Dense multi-query attention of each query over every key it may see.
 
@@ -98,6 +100,7 @@ def dense_mla(
       implementation: a name of :data:`REGISTRY`, a sequence of names (the first that supports
         the call runs), or ``None`` (the platform's preference). ``"xla"``: pure JAX, any
         platform; queries in blocks against every key, memory linear in the sequence.
+      deterministic: as for :func:`jax_dsa.sparse_mla` (``"cuda"`` runs the same backward).
 
     Returns:
       ``(out, lse)``: ``out [..., S_q, H, d_v]`` in q's dtype; ``lse [..., S_q, H]`` float32,
@@ -110,7 +113,8 @@ def dense_mla(
 
     Raises:
       TypeError: missing ``sm_scale`` or positions, non-float or mismatched ``q``/``kv``
-        dtypes, non-integer positions or segment ids, a non-float ``attn_sink``.
+        dtypes, non-integer positions or segment ids, a non-float ``attn_sink``,
+        ``deterministic`` not None or a bool.
       ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes (named by
         argument), ``d_v`` out of range, only one of the segment ids, an unknown implementation,
         or a call that no requested implementation supports (each one's reason listed).
@@ -119,14 +123,15 @@ def dense_mla(
     batch, operands, config = prepare(
         q, kv, sm_scale=sm_scale, d_v=d_v, q_positions=q_positions, kv_positions=kv_positions,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, attn_sink=attn_sink,
-        implementation=implementation)
+        implementation=implementation,
+        deterministic=determinism.resolve("dense_mla", deterministic))
     s_q, h = operands[0].shape[1:3]
     out, lse = _dense_mla(*operands, config)
     return out.reshape(batch + (s_q, h, d_v)), lse.reshape(batch + (s_q, h))
 
 
 def prepare(q, kv, *, sm_scale, d_v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-            attn_sink, implementation):
+            attn_sink, implementation, deterministic=False):
     """The checks of :func:`dense_mla` and its operands on one flattened batch dim:
     ``(batch, (q, kv, q_pos, kv_pos, q_seg, kv_seg, sink), config)``, as
     :mod:`~jax_dsa.ops.dense_mla.sharding` takes them (for ops built on this one)."""
@@ -134,7 +139,7 @@ def prepare(q, kv, *, sm_scale, d_v, q_positions, kv_positions, q_segment_ids, k
     attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
     impl, (q_pos, kv_pos, q_seg, kv_seg) = _check_args(
         q, kv, sm_scale, d_v, attn_sink, implementation, q_positions, kv_positions,
-        q_segment_ids, kv_segment_ids)
+        q_segment_ids, kv_segment_ids, deterministic)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]
     s_kv = kv.shape[-2]
@@ -150,19 +155,20 @@ def prepare(q, kv, *, sm_scale, d_v, q_positions, kv_positions, q_segment_ids, k
     sink = jnp.full((h,), -jnp.inf, jnp.float32) if attn_sink is None else attn_sink
     backward_impl = impl if impl.backward is not None else REGISTRY["xla"]
     config = Config(float(sm_scale), int(d_v), impl, backward_impl,
-                    xla.default_block_q(s_q, h, s_kv))
+                    xla.default_block_q(s_q, h, s_kv), deterministic)
     return batch, (q3, kv3, q_pos, kv_pos, q_seg, kv_seg, sink), config
 
 
 def _check_args(q, kv, sm_scale, d_v, attn_sink, implementation, q_positions, kv_positions,
-                q_segment_ids, kv_segment_ids):
+                q_segment_ids, kv_segment_ids, deterministic):
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
     batch = check_attention_args("dense_mla", q, kv, sm_scale, d_v, attn_sink)
     s_q, h, d_qk = q.shape[-3:]
     s_kv = kv.shape[-2]
     visibility = check_positions("dense_mla", q_positions, kv_positions, q_segment_ids,
                                  kv_segment_ids, batch + (s_q,), batch + (s_kv,))
-    call = Call(jnp.dtype(q.dtype), h, d_qk, int(d_v), s_q, s_kv, q_segment_ids is not None)
+    call = Call(jnp.dtype(q.dtype), h, d_qk, int(d_v), s_q, s_kv, q_segment_ids is not None,
+                deterministic)
     return REGISTRY.choose(implementation, call), visibility
 
 

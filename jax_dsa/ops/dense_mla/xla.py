@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax_dsa.ops import blocks
 from jax_dsa.ops.blocks import acc_dtype, blocks_of, einsum, unblock
 from jax_dsa.ops.dense_mla.config import Config
-from jax_dsa.ops.registry import Implementation, always
+from jax_dsa.ops import determinism
+from jax_dsa.ops.registry import Implementation
 
 
 _MAX_BLOCK_Q = 128
@@ -164,4 +165,4 @@ def _backward(q, kv, q_pos, kv_pos, q_seg, kv_seg, sink, out, lse, dout, config:
     return dq, dkv, jnp.sum(dsink, axis=0).astype(sink.dtype)
 
 
-IMPLEMENTATION = Implementation("xla", always, _forward, _backward)
+IMPLEMENTATION = Implementation("xla", determinism.xla_supported, _forward, _backward)

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_dsa.ops import determinism
 from jax_dsa.ops.blocks import acc_dtype
 from jax_dsa.ops.dense_mla import op as dense_op
 from jax_dsa.ops.dense_mla import sharding as dense_sharding
@@ -32,7 +33,7 @@ from jax_dsa.ops.sparse_mla import sharding as sparse_sharding
 
 def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv_dense_positions,
                      q_segment_ids=None, kv_dense_segment_ids=None, attn_sink=None,
-                     topk_length=None, implementation=None):
+                     topk_length=None, implementation=None, deterministic=None):
     """Attention of each query to its slots in ``kv`` and to every visible row of ``kv_dense``,
     in one softmax (with an optional per-head sink).
 
@@ -50,8 +51,9 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
         row ``s`` of ``kv_dense`` is visible to query ``t`` iff ``kv_dense_positions[s] <=
         q_positions[t]`` and, with segment ids, ``kv_dense_segment_ids[s] == q_segment_ids[t]``
         (as for :func:`jax_dsa.dense_mla`).
-      sm_scale, d_v, attn_sink, implementation: as for :func:`jax_dsa.sparse_mla` (the
-        implementation is given to both ops; each uses its default order where it lacks it).
+      sm_scale, d_v, attn_sink, implementation, deterministic: as for
+        :func:`jax_dsa.sparse_mla` (the implementation is given to both ops; each uses its
+        default order where it lacks it).
 
     Returns:
       ``(out [..., S_q, H, d_v]`` in q's dtype, ``lse [..., S_q, H]`` float32``)``: natural log of
@@ -64,10 +66,12 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
         arguments, the message saying which part.
       NotImplementedError: the requested implementations are not built in this install.
     """
+    deterministic = determinism.resolve("sparse_dense_mla", deterministic)
     try:
         batch, sp, sp_config = sparse_op.prepare(
             q, kv, indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
-            topk_length=topk_length, implementation=sparse_op.REGISTRY.restrict(implementation))
+            topk_length=topk_length, implementation=sparse_op.REGISTRY.restrict(implementation),
+            deterministic=deterministic)
     except (TypeError, ValueError) as e:
         raise type(e)(f"sparse_dense_mla: the slot part: {e}") from None
     try:
@@ -75,7 +79,8 @@ def sparse_dense_mla(q, kv, indices, kv_dense, *, sm_scale, d_v, q_positions, kv
             q, kv_dense, sm_scale=sm_scale, d_v=d_v, q_positions=q_positions,
             kv_positions=kv_dense_positions, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_dense_segment_ids, attn_sink=attn_sink,
-            implementation=dense_op.REGISTRY.restrict(implementation))
+            implementation=dense_op.REGISTRY.restrict(implementation),
+            deterministic=deterministic)
     except (TypeError, ValueError) as e:
         raise type(e)(f"sparse_dense_mla: the dense part (its kv is kv_dense, its kv_positions "
                       f"kv_dense_positions): {e}") from None

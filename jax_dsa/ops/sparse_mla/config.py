@@ -13,6 +13,7 @@ class Call:
 
     Attributes:
       dtype: q's and kv's dtype. h: heads. d_qk: key width. d_v: value width. topk: slots K.
+      deterministic: bitwise reproducible gradients were asked for.
     """
 
     dtype: np.dtype
@@ -20,6 +21,7 @@ class Call:
     d_qk: int
     d_v: int
     topk: int
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +32,11 @@ class Config:
       sm_scale: softmax scale. d_v: value width.
       implementation: the chosen :class:`jax_dsa.ops.registry.Implementation`.
       block_q: query rows per block of the ``"xla"`` implementation.
+      deterministic: the backward sums in a fixed order (:mod:`jax_dsa.ops.determinism`).
     """
 
     sm_scale: float
     d_v: int
     implementation: object
     block_q: int
+    deterministic: bool = False

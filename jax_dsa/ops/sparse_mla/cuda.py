@@ -19,6 +19,7 @@ from jax_dsa.ops.sparse_mla.config import Call, Config
 
 
 CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
+OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward (deterministic mode)
 COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's stable partition
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
 # -1 to the smallest slot bucket >= K (past the last, the wide variant takes K as it is);
@@ -179,6 +180,22 @@ def cuda_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int) -> int:
     return 2 * r(r(s_q, 64) * h * 4, 128) + r(r(s_kv, 64) * r(d_qk, 32) * 4, 128)
 
 
+def own_backward_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int, k: int,
+                                 deterministic: bool) -> int:
+    """The own backward's scratch (``SparseMlaBwdWorkspaceBytes`` of
+    ``ffi/cuda/sparse_mla_bwd/launch.h``, which the handler checks): per-row statistics, the
+    fp32 dKV accumulator and, when deterministic, one chunk's partial rows (at most 2 GiB),
+    sort keys and values, the CSR offsets and CUB's scratch."""
+    up = lambda x: -(-x // 256) * 256
+    total = 3 * up(s_q * h * 4) + up(s_kv * d_qk * 4)
+    if deterministic:
+        chunk = max(1, min((1 << 31) // (k * d_qk * 4), (2**31 - 1) // k, s_q))
+        n = chunk * k
+        total += (up(n * d_qk * 4) + 4 * up(n * 4) + 2 * up((s_kv + 1) * 4)
+                  + up((1 << 20) + 4 * n + 4 * (s_kv + 1)))
+    return total
+
+
 def cuda_slot_rows(indices, topk_length, s_kv):
     """``[B, S_q, K]`` indices -> (global rows of the valid slots in place, -1 elsewhere; per-row
     valid count >= 1; rows that had no valid slot). An empty row gets one slot, row 0 of its
@@ -217,8 +234,10 @@ def cuda_index_glue(indices, topk_length, s_kv, k_out=None):
     return idx, length, empty
 
 
-def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v):
-    """GPU backward through the AOT cuDNN kernels: ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
+def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v,
+                  deterministic=False):
+    """GPU backward through the AOT cuDNN kernels (``deterministic``: jax_dsa's own kernel in
+    its deterministic mode): ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
 
     Glue around the kernel's contract: batch folded into tokens (indices offset by
     ``b * S_kv``); slots out of range or past ``topk_length`` set to -1 and the valid ones moved
@@ -247,22 +266,29 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     dq, dkv, dsink = cuda_backward_rows(
         q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
         dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
-        length.reshape(t), sm_scale=sm_scale)
+        length.reshape(t), sm_scale=sm_scale, deterministic=deterministic)
     dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
     return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
 
 
-def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
+def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale,
+                       deterministic=False):
     """The backward kernel's call on folded, padded operands: ``q [T, Hp, D_qk]``, ``kv [R,
     D_qk]``, ``out`` / ``dout [T, Hp, d_v]`` bfloat16, ``lse [T, Hp]`` and ``sink [Hp]`` float32,
     ``rows [T, Kb]`` int32 (kv rows, the valid ones first and -1 after; ``Kb`` a slot bucket)
     and ``length [T]`` (each row's valid count, >= 1). Returns ``(dq [T, Hp, D_qk] bf16, dkv [R,
-    D_qk] bf16, d_sink [Hp] float32)``."""
+    D_qk] bf16, d_sink [Hp] float32)``. ``deterministic``: jax_dsa's own kernel, which sums
+    dkv in a fixed order (bitwise reproducible); else the cuDNN frontend's (fp32 atomics)."""
     t, hp, d_qk = q.shape
-    ws = cuda_workspace_bytes(t, kv.shape[0], hp, d_qk)
+    if deterministic:
+        ws = own_backward_workspace_bytes(t, kv.shape[0], hp, d_qk, rows.shape[1], True)
+        target, attrs = OWN_BWD_TARGET, {"deterministic": True}
+    else:
+        ws = cuda_workspace_bytes(t, kv.shape[0], hp, d_qk)
+        target, attrs = CUDA_BWD_TARGET, {}
     bf = jnp.bfloat16
     call = jax.ffi.ffi_call(
-        CUDA_BWD_TARGET,
+        target,
         (
             jax.ShapeDtypeStruct((t, hp, d_qk), bf),
             jax.ShapeDtypeStruct(kv.shape, bf),
@@ -272,7 +298,7 @@ def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale):
         vmap_method="sequential",
     )
     dq, dkv, dsink, _ = call(q, kv, out, dout, lse, sink, rows, length,
-                             sm_scale=np.float32(sm_scale))
+                             sm_scale=np.float32(sm_scale), **attrs)
     return dq, dkv, dsink
 
 
@@ -292,7 +318,8 @@ def _forward(q, kv, indices, sink, lengths, config: Config):
 
 def _backward(q, kv, indices, sink, lengths, out, lse, dout, config: Config):
     dq, dkv, dsink = cuda_backward(q, kv, indices, sink, lengths, out, lse, dout,
-                                   sm_scale=config.sm_scale, d_v=config.d_v)
+                                   sm_scale=config.sm_scale, d_v=config.d_v,
+                                   deterministic=config.deterministic)
     return dq.astype(q.dtype), dkv.astype(kv.dtype), dsink.astype(sink.dtype)
 
 

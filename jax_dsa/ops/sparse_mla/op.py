@@ -15,6 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_dsa import _native
+from jax_dsa.ops import determinism
 from jax_dsa.ops.checks import check_attention_args, int32_slots
 from jax_dsa.ops.registry import Registry
 from jax_dsa.ops.sparse_mla import cpu, cuda, sharding, xla
@@ -51,6 +52,7 @@ def sparse_mla(
     topk_length=None,
     implementation: str | None = None,
     return_max_logits: bool = False,
+    deterministic: bool | None = None,
 ):
     """Sparse multi-query attention of each query over its own list of key rows.
 
@@ -89,6 +91,11 @@ def sparse_mla(
         to monitor the growth of attention logits. Every implementation computes it in the same
         pass as ``out``; when False it is dropped (XLA removes it from the "xla" path; the
         native handlers still write one ``[S_q, H]`` float32 buffer).
+      deterministic: ``True``: the backward sums ``dkv`` and ``d_attn_sink`` in a fixed order, so
+        that gradients are bitwise identical from run to run (``"cuda"``: jax_dsa's own
+        backward kernel in its deterministic mode; ``"xla"`` on a GPU only under XLA's
+        ``--xla_gpu_deterministic_ops=true``; ``"cpu"`` always is). ``False``: the fastest
+        order. ``None`` (default): that XLA flag decides (:mod:`jax_dsa.ops.determinism`).
 
     Returns:
       ``(out, lse)``, or ``(out, lse, max_logits)`` when ``return_max_logits``:
@@ -107,7 +114,7 @@ def sparse_mla(
 
     Raises:
       TypeError: missing ``sm_scale``, non-integer ``indices``/``topk_length``, non-float or
-        mismatched ``q``/``kv`` dtypes, ``return_max_logits`` not a bool.
+        mismatched ``q``/``kv`` dtypes, ``return_max_logits`` or ``deterministic`` not a bool.
       ValueError: ``sm_scale`` not finite and positive, wrong ranks or shapes (named by
         argument), ``d_v`` out of range, an unknown implementation, or a call that no requested
         implementation supports (each one's reason listed, e.g. ``D_qk`` not in (512, 576) for
@@ -121,7 +128,9 @@ def sparse_mla(
     return_max_logits = bool(return_max_logits)
     batch, operands, config = prepare(q, kv, indices, sm_scale=sm_scale, d_v=d_v,
                                       attn_sink=attn_sink, topk_length=topk_length,
-                                      implementation=implementation)
+                                      implementation=implementation,
+                                      deterministic=determinism.resolve("sparse_mla",
+                                                                        deterministic))
     s_q, h = operands[0].shape[1:3]
     # One custom_vjp with three outputs: dropping max_logits here lets XLA remove what only it
     # needs (the xla path's loop output; the handlers' extra [S_q, H] buffer is all it costs).
@@ -135,7 +144,8 @@ def sparse_mla(
     return out, lse
 
 
-def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementation):
+def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementation,
+            deterministic=False):
     """The checks of :func:`sparse_mla` and its operands on one flattened batch dim:
     ``(batch, (q [NB, S_q, H, D_qk], kv [NB, S_kv, D_qk], indices [NB, S_q, K] int32,
     sink [H], topk_length [NB, S_q] int32), config)``, as :mod:`~jax_dsa.ops.sparse_mla.sharding`
@@ -143,7 +153,8 @@ def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementa
     q, kv, indices = jnp.asarray(q), jnp.asarray(kv), int32_slots(indices)
     attn_sink = None if attn_sink is None else jnp.asarray(attn_sink)
     topk_length = None if topk_length is None else int32_slots(topk_length)
-    impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation)
+    impl = _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation,
+                       deterministic)
     batch = q.shape[:-3]
     s_q, h, d_qk = q.shape[-3:]
     s_kv, topk = kv.shape[-2], indices.shape[-1]
@@ -164,11 +175,13 @@ def prepare(q, kv, indices, *, sm_scale, d_v, attn_sink, topk_length, implementa
         sink = jnp.full((h,), -jnp.inf, jnp.float32)
     else:
         sink = attn_sink
-    config = Config(float(sm_scale), int(d_v), impl, xla.default_block_q(s_q, topk, d_qk))
+    config = Config(float(sm_scale), int(d_v), impl, xla.default_block_q(s_q, topk, d_qk),
+                    deterministic)
     return batch, (q3, kv3, idx3, sink, len2), config
 
 
-def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation):
+def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implementation,
+                deterministic):
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
     batch = check_attention_args("sparse_mla", q, kv, sm_scale, d_v, attn_sink)
     s_q, h, d_qk = q.shape[-3:]
@@ -198,7 +211,7 @@ def _check_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, implement
                 f"sparse_mla: topk_length must be an integer array, got {topk_length.dtype}"
             )
     return REGISTRY.choose(implementation, Call(jnp.dtype(q.dtype), h, d_qk, int(d_v),
-                                                indices.shape[-1]))
+                                                indices.shape[-1], deterministic))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_dsa.ops import blocks
-from jax_dsa.ops.registry import Implementation, always
+from jax_dsa.ops import determinism
+from jax_dsa.ops.registry import Implementation
 from jax_dsa.ops.sparse_mla.config import Config
 
 # At most 64 query rows a block: one block's gathered [block_q, K, D_qk] rows are the largest
@@ -140,4 +141,4 @@ def _backward(q, kv, indices, sink, lengths, out, lse, dout, config: Config):
     return dq, dkv, jnp.sum(dsink, axis=0)
 
 
-IMPLEMENTATION = Implementation("xla", always, _forward, _backward)
+IMPLEMENTATION = Implementation("xla", determinism.xla_supported, _forward, _backward)

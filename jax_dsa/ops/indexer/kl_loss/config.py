@@ -16,7 +16,7 @@ class KLCall:
       indexer's heads and width. h, d_qk: the main attention's heads and width. s_q, s_kv: query
       and key counts. topk: slots per query, ``None`` for the dense form. segments: whether
       segment ids were given. given_lse: whether the target's denominators were given
-      (``attention_lse``).
+      (``attention_lse``). deterministic: bitwise reproducible gradients were asked for.
     """
 
     dtype: np.dtype
@@ -29,6 +29,7 @@ class KLCall:
     topk: int | None
     segments: bool
     given_lse: bool = False
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class KLConfig:
         (the target's per-head denominators are given, not recomputed).
       given_scores: ``indexer_kl_loss`` only: the operands hold ``index_scores`` just before the
         slots (the index scores of the slots, from the top-k).
+      deterministic: ``d index_k`` summed in a fixed-order-free exact way (bitwise reproducible
+        gradients; :mod:`jax_dsa.ops.determinism`).
     """
 
     sm_scale: float
@@ -52,6 +55,7 @@ class KLConfig:
     implementation: object
     given_lse: bool = False
     given_scores: bool = False
+    deterministic: bool = False
 
     def unpack(self, rest):
         """``(attention_lse, index_scores, slots)`` from the operands after ``kv`` (``None``

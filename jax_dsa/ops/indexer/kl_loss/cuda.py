@@ -181,29 +181,65 @@ def dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
                               d_v=d_v)[1]
 
 
-def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False):
+def fixed_point_scale(iq, iw, per_row_mass):
+    """The deterministic backward's fixed-point scale: the largest power of two ``2^F`` (``F`` in
+    [-100, 100]) with ``bound * 2^F <= 2^62``, where ``bound`` bounds every partial sum of any
+    ``d_ik`` element: sum over rows of ``per_row_mass[t] * sum_hi |w[t, hi]|`` (``per_row_mass``:
+    the row's sum of ``|dscore|``) times ``max |iq|``, plus 1% for G's bf16 rounding. Returns
+    ``(scale [1] float32, finite)``: ``finite`` is False when an input holds a NaN or inf (the
+    caller then poisons ``d_ik``)."""
+    f32 = jnp.float32
+    iq_abs = jnp.abs(iq.astype(f32))
+    # XLA's reduce-max may drop a NaN: count it as inf.
+    iq_max = jnp.max(jnp.where(jnp.isnan(iq_abs), jnp.inf, iq_abs))
+    bound = (jnp.sum(per_row_mass.astype(f32) * jnp.sum(jnp.abs(iw.astype(f32)), axis=-1))
+             * iq_max * 1.01)
+    finite = jnp.isfinite(bound)
+    exp = jnp.clip(jnp.floor(62.0 - jnp.log2(jnp.where(finite, bound, 1.0))), -100, 100)
+    # Exactly 2^exp (exp2 may round): the float32 bit pattern with that biased exponent.
+    bits = ((exp.astype(jnp.int32) + 127) << 23).reshape(1)
+    return jax.lax.bitcast_convert_type(bits, f32), finite
+
+
+def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
+                   deterministic=False, per_row_mass=None):
     """A backward-kernel custom call on flattened batches: ``(d_iq, d_ik, d_w)`` (and with
     ``score`` the slots' scores ``[NB, S_q, K]``) float32, shaped like ``iq``, ``ik``, ``iw``;
-    ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands."""
+    ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands.
+    ``deterministic``: ``d_ik`` summed in 64-bit fixed point (bitwise reproducible), scaled by
+    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]``; where an input is not finite,
+    ``d_ik`` is NaN."""
     nb, s_q, h_i, d_i = iq.shape
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
     bf, f32 = jnp.bfloat16, jnp.float32
+    if deterministic:
+        scale, finite = fixed_point_scale(iq, iw, per_row_mass)
+        ws = nb * s_kv * d_i * 8
+    else:
+        scale, ws = jnp.zeros((0,), f32), 0
     shapes = ((t, h_i, d_i), (nb * s_kv, d_i), (t, h_i)) + (((t, k),) if score else ())
-    call = jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct(x, f32) for x in shapes),
+    results = tuple(jax.ShapeDtypeStruct(x, f32) for x in shapes)
+    call = jax.ffi.ffi_call(target, results + (jax.ShapeDtypeStruct((ws,), jnp.uint8),),
                             vmap_method="sequential")
     out = call(iq.astype(bf).reshape(t, h_i, d_i), ik.astype(bf).reshape(nb * s_kv, d_i),
                iw.astype(f32).reshape(t, h_i), idx.astype(jnp.int32).reshape(t, k),
                per_slot.astype(f32).reshape(t, k), *(x.astype(f32).reshape(t) for x in extra),
-               s_q=np.int64(s_q), s_kv=np.int64(s_kv))
+               scale, s_q=np.int64(s_q), s_kv=np.int64(s_kv))[:-1]
     shaped = (iq.shape, ik.shape, iw.shape) + ((idx.shape,) if score else ())
-    return tuple(o.reshape(x) for o, x in zip(out, shaped))
+    out = [o.reshape(x) for o, x in zip(out, shaped)]
+    if deterministic:
+        out[1] = jnp.where(finite, out[1], jnp.nan)
+    return tuple(out)
 
 
-def backward_kernel(iq, ik, iw, idx, dscore):
+def backward_kernel(iq, ik, iw, idx, dscore, deterministic=False):
     """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
-    ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support)."""
-    return _backward_call(BWD_TARGET, iq, ik, iw, idx, dscore)
+    ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support); ``deterministic``:
+    see :func:`_backward_call`."""
+    mass = jnp.sum(jnp.abs(dscore.astype(jnp.float32)), axis=-1) if deterministic else None
+    return _backward_call(BWD_TARGET, iq, ik, iw, idx, dscore, deterministic=deterministic,
+                          per_row_mass=mass)
 
 
 def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
@@ -213,12 +249,16 @@ def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
     return index_lse_call(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def dense_backward_kernel(iq, ik, iw, idx, target, index_lse):
+def dense_backward_kernel(iq, ik, iw, idx, target, index_lse, deterministic=False):
     """The backward kernel's dense form: ``(d_iq, d_ik, d_w, score)`` float32 for
     ``dscore = exp(I - index_lse) - target`` on the valid slots of ``idx`` (every one visible),
     ``I`` recomputed by the kernel and returned as ``score [NB, S_q, K]`` (``-inf`` on invalid
-    slots); ``target [NB, S_q, K]``, ``index_lse [NB, S_q]``."""
-    return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True)
+    slots); ``target [NB, S_q, K]``, ``index_lse [NB, S_q]``. ``deterministic``: see
+    :func:`_backward_call` (``|dscore| <= 1``: a difference of two probabilities)."""
+    mass = (jnp.full(index_lse.shape, float(idx.shape[-1]), jnp.float32) if deterministic
+            else None)
+    return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True,
+                          deterministic=deterministic, per_row_mass=mass)
 
 
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):
@@ -308,7 +348,8 @@ def _dense_forward_with_grads(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, 
             mass = jax.lax.psum(mass, layout.heads)
         # Each head's probabilities over the visible keys sum to 1: the head mean is mass / H.
         p = mass / jnp.float32(config.h)
-        *chunk_grads, score = dense_backward_kernel(iq, ik, iw, idx, p, lse_i)
+        *chunk_grads, score = dense_backward_kernel(iq, ik, iw, idx, p, lse_i,
+                                                    config.deterministic)
         pos = p > 0
         cross = cross + jnp.sum(
             jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1)) - score), 0), axis=-1)
@@ -371,7 +412,7 @@ def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, *rest):
     total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
     g = g.astype(jnp.float32)[:, None, None]
     dscore = jnp.where(support, g * (pi * total - p), 0)
-    return backward_kernel(iq, ik, iw, idx, dscore)
+    return backward_kernel(iq, ik, iw, idx, dscore, config.deterministic)
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",),

@@ -22,6 +22,7 @@ from jax_dsa.ops.indexer.kl_loss.vjp import (
     kl_call,
     mean_of_rows,
 )
+from jax_dsa.ops import determinism
 from jax_dsa.ops.registry import Registry
 
 # On a GPU both forms run on "cuda" where its limits allow, else on "xla".
@@ -46,6 +47,7 @@ def indexer_kl_loss(
     index_scores=None,
     block_q=None,
     implementation=None,
+    deterministic=None,
 ):
     """The indexer's training loss: KL from the main attention's head-mean distribution.
 
@@ -111,6 +113,10 @@ def indexer_kl_loss(
         (:mod:`~jax_dsa.ops.indexer.kl_loss.cuda`; the main and index tensors rounded to
         bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128, K <= 2048; the dense form in
         chunks of 2048 keys, never an ``[S_q, S_kv]`` buffer, fastest with ``attention_lse``).
+      deterministic: ``True``: gradients bitwise identical from run to run (``"cuda"`` sums
+        ``d index_k`` in 64-bit fixed point instead of float32 atomics; ``"xla"`` on a GPU
+        only under XLA's ``--xla_gpu_deterministic_ops=true``); ``False``: the fastest order;
+        ``None`` (default): that XLA flag decides (:mod:`jax_dsa.ops.determinism`).
 
     Returns:
       A scalar: float32, or float64 when an input is float64 (under x64).
@@ -121,12 +127,13 @@ def indexer_kl_loss(
         only one of the segment ids given, an unknown implementation or one that does not
         support the call.
       NotImplementedError: the requested implementations are not built in this install.
-      TypeError: ``sm_scale`` not a number; non-float tensors (``index_scores`` included),
-        ``q``/``kv`` dtypes that differ;
+      TypeError: ``sm_scale`` not a number; ``deterministic`` not None or a bool; non-float
+        tensors (``index_scores`` included), ``q``/``kv`` dtypes that differ;
         non-integer ``indices``, positions, segment ids or ``block_q``.
     """
     name = "indexer_kl_loss"
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
+    deterministic = determinism.resolve(name, deterministic)
     index_q, index_k, index_weights, q, kv = (
         jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv)
     )
@@ -159,11 +166,12 @@ def indexer_kl_loss(
     if attention_lse is not None:
         per_head = (attention_lse.astype(jnp.promote_types(acc, jnp.float32)),)
     impl = REGISTRY.choose(implementation, describe(acc, index_q, q, s_kv, indices,
-                                                    q_seg is not None, bool(per_head)))
+                                                    q_seg is not None, bool(per_head),
+                                                    deterministic))
     operands = flat_operands(batch, index_q, index_k, index_weights,
                              (q_pos, kv_pos, q_seg, kv_seg), q, kv, per_head, indices, per_slot)
     config = KLConfig(float(sm_scale), h, block_q, impl, given_lse=bool(per_head),
-                      given_scores=bool(per_slot))
+                      given_scores=bool(per_slot), deterministic=deterministic)
     roles = (V4_ROLES if per_head else ROLES)[:-1] + ("bs.",) * len(per_slot) + ("bs.",)
     kl, count = kl_call(name, config, roles, *operands)
     return mean_of_rows(kl, count, acc)

@@ -122,12 +122,14 @@ def mean_of_rows(kl, count, acc):
     return jnp.where(count > 0, kl / jnp.maximum(count, 1).astype(acc), jnp.zeros((), acc))
 
 
-def describe(acc, index_q, q, s_kv, indices, segments: bool, given_lse: bool = False) -> KLCall:
+def describe(acc, index_q, q, s_kv, indices, segments: bool, given_lse: bool = False,
+             deterministic: bool = False) -> KLCall:
     """The :class:`KLCall` that implementations' ``supported`` checks see."""
     s_q, h_i, d_i = index_q.shape[-3:]
     h, d_qk = q.shape[-2:]
     topk = None if indices is None else indices.shape[-1]
-    return KLCall(jnp.dtype(acc), h_i, d_i, h, d_qk, s_q, s_kv, topk, segments, given_lse)
+    return KLCall(jnp.dtype(acc), h_i, d_i, h, d_qk, s_q, s_kv, topk, segments, given_lse,
+                  deterministic)
 
 
 def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per_head, indices,

@@ -16,7 +16,8 @@ from jax_dsa.ops.indexer.kl_loss.common import block_support_and_logits
 from jax_dsa.ops.visibility import masked_log_softmax
 from jax_dsa.ops.indexer.kl_loss.config import KLConfig
 from jax_dsa.ops.indexer.kl_loss.vjp import autodiff_backward
-from jax_dsa.ops.registry import Implementation, always
+from jax_dsa.ops import determinism
+from jax_dsa.ops.registry import Implementation
 from jax_dsa.sharding.partition import head_logsumexp
 
 
@@ -63,4 +64,4 @@ def _forward(layout, *args):
     return forward(layout, *args[:-1], config=args[-1])
 
 
-IMPLEMENTATION = Implementation("xla", always, _forward, autodiff_backward(_forward))
+IMPLEMENTATION = Implementation("xla", determinism.xla_supported, _forward, autodiff_backward(_forward))

@@ -165,7 +165,7 @@ def _dense_backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, 
         p = exp_from(log_t, log_z[..., None])
         pi = exp_from(score, lse_i[..., None])
         dscore = jnp.where(support, g * (pi - p), 0)
-        grads = kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore)
+        grads = kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore, config.deterministic)
         return tuple(a + b for a, b in zip(carry, grads))
 
     f32 = jnp.float32
@@ -212,7 +212,7 @@ def backward(layout, g, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, id
     total = jnp.sum(p, axis=-1, keepdims=True)  # 1 on rows with a support (up to rounding)
     g = g.astype(jnp.float32)[:, None, None]
     dscore = jnp.where(support, g * (pi * total - p), 0)
-    return kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore)
+    return kl_loss_cuda.backward_kernel(iq, ik, iw, idx, dscore, config.deterministic)
 
 
 IMPLEMENTATION = Implementation("cuda", supported, forward, backward, platforms=("gpu",))

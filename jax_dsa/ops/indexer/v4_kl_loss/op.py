@@ -29,6 +29,7 @@ from jax_dsa.ops.blocks import acc_dtype
 from jax_dsa.ops.indexer.kl_loss.common import check_kl_args
 from jax_dsa.ops.indexer.kl_loss.config import KLConfig
 from jax_dsa.ops.indexer.kl_loss.vjp import V4_ROLES, describe, flat_operands, kl_call, mean_of_rows
+from jax_dsa.ops import determinism
 from jax_dsa.ops.registry import Registry
 
 # On a GPU both forms run on "cuda" where its limits allow, else on "xla".
@@ -53,6 +54,7 @@ def v4_indexer_kl_loss(
     indices=None,
     block_q=None,
     implementation=None,
+    deterministic=None,
 ):
     """Mean over query rows of the KL from the window-and-sink-aware teacher to the indexer.
 
@@ -92,6 +94,10 @@ def v4_indexer_kl_loss(
         (:mod:`~jax_dsa.ops.indexer.v4_kl_loss.cuda`; ``q``, ``kv`` and the index tensors
         rounded to bfloat16, D_qk 512 or 576, index_head_dim 128, H <= 128 local heads,
         index_n_heads <= 64, K <= 2048; the dense form in chunks of 2048 entries).
+      deterministic: ``True``: gradients bitwise identical from run to run (``"cuda"`` sums
+        ``d index_k`` in 64-bit fixed point instead of float32 atomics; ``"xla"`` on a GPU
+        only under XLA's ``--xla_gpu_deterministic_ops=true``); ``False``: the fastest order;
+        ``None`` (default): that XLA flag decides (:mod:`jax_dsa.ops.determinism`).
 
     Returns:
       A scalar: float32, or float64 when an input is float64 (under x64).
@@ -102,11 +108,12 @@ def v4_indexer_kl_loss(
         only one of the segment ids given, an unknown implementation or one that does not
         support the call.
       NotImplementedError: the requested implementations are not built in this install.
-      TypeError: ``sm_scale`` not a number; non-float tensors; ``q``/``kv`` dtypes that differ;
-        non-integer ``indices``, positions, segment ids or ``block_q``.
+      TypeError: ``sm_scale`` not a number; ``deterministic`` not None or a bool; non-float
+        tensors; ``q``/``kv`` dtypes that differ; non-integer ``indices``, positions, segment ids or ``block_q``.
     """
     name = "v4_indexer_kl_loss"
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
+    deterministic = determinism.resolve(name, deterministic)
     index_q, index_k, index_weights, q, kv, attention_lse = (
         jnp.asarray(x) for x in (index_q, index_k, index_weights, q, kv, attention_lse)
     )
@@ -122,9 +129,10 @@ def v4_indexer_kl_loss(
         raise TypeError(f"{name}: attention_lse must be a float array, got {attention_lse.dtype}")
     acc = acc_dtype(index_q, index_k, index_weights, q, kv)
     impl = REGISTRY.choose(implementation, describe(acc, index_q, q, s_kv, indices,
-                                                    q_seg is not None))
+                                                    q_seg is not None, False, deterministic))
     operands = flat_operands(batch, index_q, index_k, index_weights,
                              (q_pos, kv_pos, q_seg, kv_seg), q, kv, (attention_lse.astype(acc),),
                              indices)
-    kl, count = kl_call(name, KLConfig(float(sm_scale), h, block_q, impl), V4_ROLES, *operands)
+    config = KLConfig(float(sm_scale), h, block_q, impl, deterministic=deterministic)
+    kl, count = kl_call(name, config, V4_ROLES, *operands)
     return mean_of_rows(kl, count, acc)

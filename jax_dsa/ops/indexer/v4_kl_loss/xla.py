@@ -14,7 +14,8 @@ from jax_dsa.ops.indexer.kl_loss.common import block_support_and_logits
 from jax_dsa.ops.visibility import masked_log_softmax
 from jax_dsa.ops.indexer.kl_loss.config import KLConfig
 from jax_dsa.ops.indexer.kl_loss.vjp import autodiff_backward
-from jax_dsa.ops.registry import Implementation, always
+from jax_dsa.ops import determinism
+from jax_dsa.ops.registry import Implementation
 from jax_dsa.sharding.partition import head_logsumexp
 
 
@@ -50,4 +51,4 @@ def forward(layout, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx,
     return jax.vmap(one)(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, q, kv, lse, idx)
 
 
-IMPLEMENTATION = Implementation("xla", always, forward, autodiff_backward(forward))
+IMPLEMENTATION = Implementation("xla", determinism.xla_supported, forward, autodiff_backward(forward))

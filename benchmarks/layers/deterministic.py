@@ -1,0 +1,95 @@
+"""What ``deterministic=True`` costs and gives: a GLM-5 DSA layer's training step on a GPU.
+
+    python benchmarks/layers/deterministic.py --sizes 16384,65536 [--repeats 5] [--out [FILE]]
+
+For each sequence length (one batch row, bfloat16, GLM-5 dims, sparse mode with the indexer KL
+loss, every op on ``"cuda"``; the step of ``benchmarks/layers/dsa_layer.py``): the step's median
+time with the default backward (cuDNN's, float32 atomics) and with ``deterministic=True``
+(jax_dsa's own backward in its deterministic mode, d index_k in fixed point), and how many
+gradient elements differ between two runs of each on the same inputs (0 for the deterministic
+step: bitwise identical). Also ``sparse_mla`` forward+backward alone at K 2048, both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import common  # noqa: E402
+from benchmarks.layers.dsa_layer import make_layer_step, op_inputs, timed  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_dsa import indexer_topk, sparse_mla  # noqa: E402
+from jax_dsa.configs import get_config  # noqa: E402
+
+
+def differing(a, b):
+    """Elements that differ between two gradient pytrees (NaN == NaN), and their total."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    diff = sum(int(np.sum(~((np.asarray(x) == np.asarray(y)) |
+                            (np.isnan(np.asarray(x, np.float32)) &
+                             np.isnan(np.asarray(y, np.float32)))))) for x, y in zip(la, lb))
+    return diff, sum(int(np.size(x)) for x in la)
+
+
+def layer_rows(c, s, repeats):
+    row = {}
+    for name, det in (("default", False), ("deterministic", True)):
+        step, args = make_layer_step(c, s, "cuda", deterministic=det)
+        first, second = step(*args), step(*args)
+        diff, total = differing(first, second)
+        del first, second
+        row[name] = {**timed(step, *args, repeats=repeats), "differing_elements": diff,
+                     "elements": total}
+    row["deterministic_over_default"] = round(
+        row["deterministic"]["median_ms"] / row["default"]["median_ms"], 3)
+    return row
+
+
+def op_rows(c, s, repeats):
+    q, kv, iq, ik, w, pos = op_inputs(c, s)
+    idx = jax.jit(lambda iq, ik, w, pos: indexer_topk(
+        iq, ik, w, topk=c.index_topk, q_positions=pos, kv_positions=pos,
+        implementation="cuda"))(iq, ik, w, pos)
+    row = {}
+    for name, det in (("default", False), ("deterministic", True)):
+        @jax.jit
+        def attn(q, kv, idx, det=det):
+            def f(q, kv):
+                o, _ = sparse_mla(q, kv, idx, sm_scale=c.softmax_scale, d_v=c.kv_lora_rank,
+                                  implementation="cuda", deterministic=det)
+                return jnp.mean(o.astype(jnp.float32) ** 2)
+            return jax.grad(f, argnums=(0, 1))(q, kv)
+        row[name] = timed(attn, q, kv, idx, repeats=repeats)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="16384,65536")
+    p.add_argument("--repeats", type=int, default=5)
+    common.add_result_args(p)
+    a = p.parse_args(argv)
+    c = get_config("glm5")
+    res = {"benchmark": "benchmarks/layers/deterministic.py", "commit": common.commit(a.commit),
+           "date": common.today(), "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "model": "glm5 (hidden 6144, H 64, D_qk 576, index 32 x 128, top-k 2048), one "
+                    "batch row, bfloat16, sparse mode with the KL loss, implementation cuda",
+           "repeats": a.repeats, "sizes": {}}
+    for s in [int(x) for x in a.sizes.split(",") if x]:
+        row = {"layer_fwd_bwd": layer_rows(c, s, a.repeats),
+               "sparse_mla_fwd_bwd": op_rows(c, s, a.repeats)}
+        res["sizes"][str(s)] = row
+        print(s, json.dumps(row), flush=True)
+    common.write_json(common.out_path(a.out, __file__), res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

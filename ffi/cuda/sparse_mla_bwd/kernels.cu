@@ -1,0 +1,725 @@
+// jax_dsa's own SM90 sparse-MLA backward (contract: launch.h). Plain CUDA C++, wgmma through
+// cuda/common/sm90_wgmma.h; CUB (CUDA toolkit) for the deterministic mode's radix sort and scan.
+//
+// Kernels, in launch order:
+//   PrepKernel      one warp per (query, head): delta = rowsum(out * dout) over d_v, the
+//                   sink-merged lse in base 2 (lse2 = log2(e) * logaddexp(lse, sink)), and the
+//                   d_attn_sink term dsp = -p_sink * delta (0 without a sink or for an empty row).
+//   DsinkKernel     one CTA per head: d_attn_sink[h] = sum over queries of dsp, in a fixed order
+//                   (strided per-thread sums, then a fixed tree): deterministic in both modes.
+//   MainKernel      one CTA (2 warpgroups, 256 threads) per query; for each 64-head tile (one for
+//                   H 64, two one after the other for H 128) and each 64-slot block:
+//                     gather the block's kv rows (cp.async 16 B, zero rows for invalid slots)
+//                     S  = Q K^T    [64 heads x 64 slots]  WG w: slots 32w..32w+31 (m64n32k16)
+//                     dP = dO V^T   [64 x 64]              same split
+//                     P  = exp2(S * scale * log2e - lse2), dS = scale * P * (dP - delta), both
+//                          masked to the valid slots, stored to shared memory as bf16
+//                     dQ += dS K    [64 heads x 512]      registers, WG w column blocks
+//                          4w..4w+3 (128 floats a thread); D 576: the rope columns as
+//                          dQr^T = K_rope^T dS^T [64 x 32 heads] a WG (16 floats)
+//                     dKV = dS^T Q + P^T dO  [64 slots x 64 columns] per column chunk (WG w
+//                          chunks 4w..4w+3; D 576: the rope chunk, no dO part, split over the
+//                          heads = the MMA's K, WG0's half first), then red.global.add.v4.f32
+//                          into the fp32 accumulator (DET = false) or stored as fp32 partial
+//                          rows (DET = true)
+//                   No pipelining (v1): the gather and the MMAs of a block are serialised.
+//   KeysKernel / cub scan / cub radix sort / ReduceKernel   (deterministic mode, per chunk)
+//   ConvertKernel   fp32 accumulator -> bf16 dkv.
+//
+// Deterministic mode. Queries are processed in chunks of C (SparseMlaBwdChunkQueries). For a
+// chunk starting at query t0, pair id p = (t - t0) * K + j for slot j of query t. Per chunk:
+//   1. KeysKernel: key[p] = kv row of the pair if it is valid (j < topk_length[t], row in
+//      range), else S_kv (sorted past every real row, never read); value[p] = p; and an integer
+//      histogram counts[row] (atomicAdd on integers: exact, order-free).
+//   2. cub::DeviceScan::ExclusiveSum(counts) -> offsets[S_kv + 1]: row r's segment.
+//   3. cub::DeviceRadixSort::SortPairs (LSD, stable) on (key, value): since the input is in
+//      ascending p, each row's segment lists its pair ids in ascending (query, slot) order.
+//   4. MainKernel<DET>: the 64-head-summed dKV row of every valid pair is stored (fp32, D floats)
+//      at partial[p]; at H 128 the CTA does head tile 0 then head tile 1, the second adding its
+//      rows into the same partial rows (same thread, same address: partial = tile0 + tile1).
+//   5. ReduceKernel: one warp per kv row walks its segment in order, acc = (((0 + x_p0) + x_p1)
+//      + ...), then accum[row] += acc. Chunks run in order on one stream.
+// Every floating-point sum therefore has a fixed order (and the MMAs are deterministic), so the
+// outputs are bitwise reproducible for a given chunk size and device.
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/common/sm90_wgmma.h"
+#include "cuda/sparse_mla_bwd/launch.h"
+
+namespace jax_dsa {
+namespace sparse_mla_bwd {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;   // two consumer warpgroups
+constexpr int kTile = 64;       // heads per tile, slots per block
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+
+__device__ __forceinline__ uint32_t SmemU32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Copies 16 bytes, or writes 16 zero bytes when !pred (src is not read then, but must be valid).
+__device__ __forceinline__ void CpAsync16Zfill(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void RedAddV4(float* p, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The value, opaque to the compiler: keeps it from hoisting the (loop-invariant) wgmma
+// descriptors of the unrolled MMAs out of the block loop, where they would hold ~140 registers.
+__device__ __forceinline__ uint32_t Opaque(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+
+__device__ __forceinline__ void StShared32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Preprocess: delta, lse2, the sink term.
+
+__global__ void PrepKernel(const bf16* __restrict__ out, const bf16* __restrict__ dout,
+                           const float* __restrict__ lse, const float* __restrict__ sink,
+                           int64_t rows, int h, float* __restrict__ delta,
+                           float* __restrict__ lse2, float* __restrict__ dsp) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (w >= rows) return;
+  const uint4* o = reinterpret_cast<const uint4*>(out + w * kDv);
+  const uint4* g = reinterpret_cast<const uint4*>(dout + w * kDv);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kDv / 8 / 32; ++i) {
+    const uint4 a = o[lane + 32 * i], b = g[lane + 32 * i];
+    const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 fa = __bfloat1622float2(pa[e]), fb = __bfloat1622float2(pb[e]);
+      acc = fmaf(fa.x, fb.x, acc);
+      acc = fmaf(fa.y, fb.y, acc);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) {
+    const float l = lse[w], s = sink[w % h];
+    float lf, ps;
+    if (l == INFINITY || s == -INFINITY) {  // an empty row, or no sink
+      lf = l;
+      ps = 0.f;
+    } else {
+      const float m = fmaxf(l, s);
+      lf = m + log1pf(expf(-fabsf(l - s)));
+      ps = expf(s - lf);
+    }
+    delta[w] = acc;
+    lse2[w] = lf * kLog2e;
+    dsp[w] = ps == 0.f ? 0.f : -ps * acc;
+  }
+}
+
+// d_attn_sink[h] = sum_t dsp[t, h], in a fixed order.
+__global__ void DsinkKernel(const float* __restrict__ dsp, int64_t s_q, int h, float* __restrict__ d_sink) {
+  __shared__ float red[256];
+  const int hh = blockIdx.x;
+  float acc = 0.f;
+  for (int64_t t = threadIdx.x; t < s_q; t += 256) acc += dsp[t * h + hh];
+  red[threadIdx.x] = acc;
+  __syncthreads();
+  for (int n = 128; n >= 1; n >>= 1) {
+    if (int(threadIdx.x) < n) red[threadIdx.x] += red[threadIdx.x + n];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_sink[hh] = red[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The main kernel.
+
+struct MainArgs {
+  const bf16* q;
+  const bf16* kv;
+  const bf16* dout;
+  const int32_t* idx;
+  const int32_t* len;
+  const float* lse2;
+  const float* delta;
+  float* accum;    // !DET: [s_kv, D] fp32
+  float* partial;  // DET: [chunk * K, D] fp32
+  bf16* dq;
+  int64_t s_kv, k, t0;
+  int h;
+  float scale;
+};
+
+// Shared memory (offsets from a 1024-aligned base; every operand region 1024-aligned):
+//   Q tile   [64 heads, D]    bf16, D/64 blocks of 64 rows x 128 B (128-byte swizzle)
+//   dO tile  [64 heads, 512]  bf16, 8 blocks
+//   KV block [64 slots, D]    bf16, D/64 blocks
+//   P, dS    [64 heads, 64 slots] bf16, one block each
+//   rows[64] int32, lse2[64], delta[64] fp32
+template <int D>
+struct MainSmem {
+  static constexpr int kQ = 0;
+  static constexpr int kDo = kQ + kTile * D * 2;
+  static constexpr int kKv = kDo + kTile * kDv * 2;
+  static constexpr int kP = kKv + kTile * D * 2;
+  static constexpr int kDs = kP + kTile * kTile * 2;
+  static constexpr int kRows = kDs + kTile * kTile * 2;
+  static constexpr int kLse = kRows + kTile * 4;
+  static constexpr int kDelta = kLse + kTile * 4;
+  static constexpr int kEnd = kDelta + kTile * 4;
+  static constexpr int kBytes = kEnd + 1024;  // + the alignment slack
+};
+
+template <int D, bool DET>
+__global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
+  using namespace sm90;
+  constexpr int NB = D / 64;  // 64-column blocks of a kv row (9 or 8)
+  constexpr bool ROPE = D == 576;  // a 9th column block past d_v
+  constexpr int CH = D / 8;    // 16-byte chunks of a row
+  using L = MainSmem<D>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
+  const uint32_t s_base0 = SmemU32(base);
+  int* rows = reinterpret_cast<int*>(base + L::kRows);
+  float* s_lse = reinterpret_cast<float*>(base + L::kLse);
+  float* s_delta = reinterpret_cast<float*>(base + L::kDelta);
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5;
+  const int lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int64_t t = a.t0 + blockIdx.x;
+  const int64_t kk = a.k;
+  int len = a.len[t];
+  len = len < 0 ? 0 : (len > kk ? int(kk) : len);
+  const int nblk = (len + kTile - 1) / kTile;
+  const float sl2 = a.scale * kLog2e;
+  const int n_ht = a.h / kTile;
+
+  float dq[4][32];              // dQ [64 heads, columns 64 (4 wg + n) ..]
+  float dqr[ROPE ? 16 : 1];     // D 576: dQ^T [rope columns 0..63, heads 32 wg ..]
+
+  for (int ht = 0; ht < n_ht; ++ht) {
+    __syncthreads();  // the previous head tile's reads of shared memory are done
+    const uint32_t sQ = s_base0 + L::kQ, sDo = s_base0 + L::kDo;
+    {
+      const int64_t head0 = t * a.h + ht * kTile;
+      const bf16* qsrc = a.q + head0 * D;
+      for (int p = tid; p < kTile * CH; p += kThreads) {
+        const int r = p / CH, c = p % CH;
+        CpAsync16(sQ + WgChunk(r, c, kTile), qsrc + int64_t(r) * D + c * 8);
+      }
+      const bf16* dsrc = a.dout + head0 * kDv;
+      for (int p = tid; p < kTile * (kDv / 8); p += kThreads) {
+        const int r = p / (kDv / 8), c = p % (kDv / 8);
+        CpAsync16(sDo + WgChunk(r, c, kTile), dsrc + int64_t(r) * kDv + c * 8);
+      }
+      CpAsyncCommit();
+      if (tid < kTile) {
+        s_lse[tid] = a.lse2[head0 + tid];
+        s_delta[tid] = a.delta[head0 + tid];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[n][i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (ROPE ? 16 : 1); ++i) dqr[i] = 0.f;
+
+    for (int b = 0; b < nblk; ++b) {
+      const uint32_t s_base = Opaque(s_base0);
+      const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
+      const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
+      if (tid < kTile) {
+        const int j = b * kTile + tid;
+        int r = -1;
+        if (j < len) {
+          r = a.idx[t * kk + j];
+          if (r < 0 || r >= a.s_kv) r = -1;
+        }
+        rows[tid] = r;
+      }
+      __syncthreads();  // rows published (and the previous block's reads are done: loop end)
+      for (int p = tid; p < kTile * CH; p += kThreads) {
+        const int r = p / CH, c = p % CH;
+        const int row = rows[r];
+        CpAsync16Zfill(sKv + WgChunk(r, c, kTile), a.kv + int64_t(row < 0 ? 0 : row) * D + c * 8,
+                       row >= 0);
+      }
+      CpAsyncCommit();
+      CpAsyncWaitAll();
+      FenceProxyAsync();
+      __syncthreads();  // Q, dO (first block), the kv block, lse and delta visible
+
+      // S and dP for slots 32 wg .. 32 wg + 31.
+      float sacc[16], pacc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sacc[i] = pacc[i] = 0.f;
+      WgFenceOperand(sacc);
+      WgFenceOperand(pacc);
+      WgFence();
+      const uint32_t sKvW = sKv + wg * 32 * 128;
+#pragma unroll 1
+      for (int kb = 0; kb < NB; ++kb)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<0, 0>(sacc, WgDesc(sQ + kb * 8192 + ks * 32), WgDesc(sKvW + kb * 8192 + ks * 32), 1);
+#pragma unroll 1
+      for (int kb = 0; kb < kDv / 64; ++kb)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<0, 0>(pacc, WgDesc(sDo + kb * 8192 + ks * 32), WgDesc(sKvW + kb * 8192 + ks * 32), 1);
+      WgCommit();
+      WgWait<0>();
+      WgFenceOperand(sacc);
+      WgFenceOperand(pacc);
+
+      // P and dS (scaled by sm_scale) -> shared memory, [head][slot] bf16.
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int hh = 16 * wi + g + 8 * hr;
+        const float l2 = s_lse[hh], dl = s_delta[hh];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int s = 32 * wg + 8 * j + 2 * q4;
+          float pv[2], dv[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool ok = rows[s + e] >= 0;
+            const float p = ok ? exp2f(fmaf(sacc[4 * j + 2 * hr + e], sl2, -l2)) : 0.f;
+            pv[e] = p;
+            dv[e] = ok ? a.scale * p * (pacc[4 * j + 2 * hr + e] - dl) : 0.f;
+          }
+          const uint32_t off = hh * 128 + (((4 * wg + j) ^ (hh & 7)) << 4) + 4 * q4;
+          StShared32(sP + off, PackBf16(pv[0], pv[1]));
+          StShared32(sDs + off, PackBf16(dv[0], dv[1]));
+        }
+      }
+      FenceProxyAsync();
+      __syncthreads();  // P and dS of both halves stored
+
+      // dQ += dS . K over the first 512 columns: WG w owns column blocks 4w .. 4w + 3
+      // (A = dS [head][slot] K-major, B = the kv block read MN-major); D 576: the rope columns
+      // transposed, dQr^T [64 columns, heads 32w .. 32w + 31] = K_rope^T . dS^T (A = the kv
+      // block's last column block read MN-major, B = dS K-major, n32). One instruction stream
+      // for both warpgroups (no divergent wgmma).
+#pragma unroll
+      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
+      if constexpr (ROPE) WgFenceOperand(dqr);
+      WgFence();
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<0, 1>(dq[n], WgDesc(sDs + ks * 32), WgDescMN(sKv + (4 * wg + n) * 8192 + ks * 2048, 8192), 1);
+      if constexpr (ROPE) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + wg * 4096 + ks * 32), 1);
+      }
+      WgCommit();
+
+      // dKV chunks [64 slots, 64 columns] = dS^T Q_c + P^T dO_c (A and B both MN-major): WG w
+      // chunks 4w .. 4w + 3. D 576, the rope chunk (no dO part) split over the heads (the MMA's
+      // K): WG w sums heads 32w .. 32w + 31; WG0's half is written first, then WG1 adds its own.
+      constexpr int NCH = ROPE ? 5 : 4;
+#pragma unroll
+      for (int i = 0; i < NCH; ++i) {
+        const bool rope = ROPE && i == 4;
+        const int c = rope ? 8 : 4 * wg + i;
+        float acc[32];
+#pragma unroll
+        for (int x = 0; x < 32; ++x) acc[x] = 0.f;
+        WgFenceOperand(acc);
+        WgFence();
+        if (!rope) {
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < 2; ++ks)
+            WgMmaSS<1, 1>(acc, WgDescMN(sDs + (2 * wg + ks) * 2048, 8192),
+                          WgDescMN(sQ + c * 8192 + (2 * wg + ks) * 2048, 8192), 1);
+        }
+        WgCommit();
+        WgWait<0>();
+        WgFenceOperand(acc);
+        // Rows: slot 16 wi + g (+ 8), columns 64 c + 8 j + 2 q4 (+1). Lane pairs swap halves so
+        // that each lane holds 4 consecutive columns of one row: even lanes row r0, odd r0 + 8.
+        const bool even = (q4 & 1) == 0;
+        const int slot = 16 * wi + g + (even ? 0 : 8);
+        const int row = rows[slot];
+        float4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float s0 = even ? acc[4 * j + 2] : acc[4 * j];
+          const float s1 = even ? acc[4 * j + 3] : acc[4 * j + 1];
+          const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+          const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+          v[j] = even ? make_float4(acc[4 * j], acc[4 * j + 1], x0, x1)
+                      : make_float4(x0, x1, acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        const int col0 = 64 * c + 2 * (q4 & ~1);
+        if constexpr (DET) {
+          // The partial row of pair (t - t0) K + j: written by head tile 0 (WG0's rope half
+          // first), added to by every later writer in a fixed order.
+          float4* dst = reinterpret_cast<float4*>(a.partial + ((t - a.t0) * kk + b * kTile + slot) * D + col0);
+          for (int phase = 0; phase < (rope ? 2 : 1); ++phase) {
+            if (rope) __syncthreads();  // phase 1: WG0's rope half is in global memory
+            const bool mine = !rope || phase == wg;
+            if (mine && row >= 0) {
+              const bool first = ht == 0 && (!rope || wg == 0);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) {
+                if (first) {
+                  dst[2 * j] = v[j];
+                } else {
+                  const float4 o = dst[2 * j];
+                  dst[2 * j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
+                }
+              }
+            }
+          }
+        } else {
+          if (row >= 0) {
+            float* dst = a.accum + int64_t(row) * D + col0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) RedAddV4(dst + 8 * j, v[j]);
+          }
+        }
+      }
+      WgWait<0>();  // dQ (already complete: the chunks' waits covered it)
+#pragma unroll
+      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
+      if constexpr (ROPE) WgFenceOperand(dqr);
+      __syncthreads();  // every read of the kv block, P, dS and rows is done
+    }
+
+    CpAsyncWaitAll();  // (no block: the Q / dO copies are still to be waited for)
+
+    // dq[t, 64 ht + head, :] from the registers.
+    {
+      bf16* dst = a.dq + (t * a.h + ht * kTile) * D;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int hh = 16 * wi + g + 8 * hr, col = 64 * (4 * wg + n) + 8 * j + 2 * q4;
+            *reinterpret_cast<uint32_t*>(dst + int64_t(hh) * D + col) =
+                PackBf16(dq[n][4 * j + 2 * hr], dq[n][4 * j + 2 * hr + 1]);
+          }
+      if constexpr (ROPE) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = kDv + 16 * wi + g + 8 * hr, hh = 32 * wg + 8 * j + 2 * q4 + e;
+              dst[int64_t(hh) * D + col] = __float2bfloat16(dqr[4 * j + 2 * hr + e]);
+            }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic mode's CSR and reduction; the conversion.
+
+__global__ void KeysKernel(const int32_t* __restrict__ idx, const int32_t* __restrict__ len,
+                           int64_t t0, int64_t k, int64_t n, int64_t s_kv, uint32_t* __restrict__ keys,
+                           uint32_t* __restrict__ vals, uint32_t* __restrict__ counts) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = t0 + p / k, j = p % k;
+    int64_t r = -1;
+    if (j < len[t]) {
+      r = idx[t * k + j];
+      if (r < 0 || r >= s_kv) r = -1;
+    }
+    keys[p] = r < 0 ? uint32_t(s_kv) : uint32_t(r);
+    vals[p] = uint32_t(p);
+    if (r >= 0) atomicAdd(&counts[r], 1u);
+  }
+}
+
+// One warp a kv row: its chunk partials summed in segment (= ascending pair id) order, then added
+// to the accumulator.
+template <int D>
+__global__ void ReduceKernel(const uint32_t* __restrict__ off, const uint32_t* __restrict__ pids,
+                             const float4* __restrict__ partial, float4* __restrict__ accum, int64_t s_kv) {
+  constexpr int V = D / 4, NV = (V + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (row >= s_kv) return;
+  const uint32_t beg = off[row], end = off[row + 1];
+  if (beg == end) return;
+  float4 acc[NV];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (uint32_t b0 = beg; b0 < end; b0 += 32) {
+    const int n = int(end - b0 < 32u ? end - b0 : 32u);
+    const uint32_t mine = lane < n ? pids[b0 + lane] : 0u;
+    for (int i = 0; i < n; ++i) {
+      const uint32_t pid = __shfl_sync(0xffffffffu, mine, i);
+      const float4* src = partial + int64_t(pid) * V;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int c = lane + 32 * v;
+        if (c < V) {
+          const float4 x = __ldcs(src + c);
+          acc[v].x += x.x;
+          acc[v].y += x.y;
+          acc[v].z += x.z;
+          acc[v].w += x.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < NV; ++v) {
+    const int c = lane + 32 * v;
+    if (c < V) {
+      float4 o = accum[row * V + c];
+      o.x += acc[v].x;
+      o.y += acc[v].y;
+      o.z += acc[v].z;
+      o.w += acc[v].w;
+      accum[row * V + c] = o;
+    }
+  }
+}
+
+__global__ void ConvertKernel(const float4* __restrict__ accum, uint2* __restrict__ dkv, int64_t n4) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 v = accum[i];
+    dkv[i] = make_uint2(PackBf16(v.x, v.y), PackBf16(v.z, v.w));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+constexpr size_t kAlign = 256;
+size_t Up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int KeyBits(int64_t s_kv) {  // bits for keys 0 .. s_kv (s_kv = the invalid sentinel)
+  int b = 1;
+  while ((int64_t(1) << b) <= s_kv) ++b;
+  return b;
+}
+
+// The scratch reserved for CUB's sort and scan: a closed form (no CUDA runtime, so that the JAX
+// glue can size the workspace when tracing, jax_dsa/ops/sparse_mla/cuda.py), checked against
+// CUB's own request at every launch. CUB 3's onesweep sort of n pairs asks for well under one
+// byte an item at these sizes; 4 bytes an item + 1 MiB leaves a margin.
+size_t CubTempBound(int64_t n, int64_t s_kv) {
+  return (size_t(1) << 20) + size_t(n) * 4 + size_t(s_kv + 1) * 4;
+}
+
+struct Layout {
+  size_t delta = 0, lse2 = 0, dsp = 0, accum = 0;
+  size_t partial = 0, keys0 = 0, keys1 = 0, vals0 = 0, vals1 = 0, counts = 0, offsets = 0, temp = 0;
+  size_t temp_bytes = 0, total = 0;
+  int64_t chunk = 0;
+};
+
+bool Supported(int64_t h, int64_t d) { return (h == 64 || h == 128) && (d == 576 || d == 512); }
+
+cudaError_t MakeLayout(int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t k, bool det,
+                       int64_t chunk_queries, Layout& L) {
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = o;
+    o += Up(bytes);
+    return at;
+  };
+  const size_t stats = size_t(s_q) * size_t(h) * 4;
+  L.delta = take(stats);
+  L.lse2 = take(stats);
+  L.dsp = take(stats);
+  L.accum = take(size_t(s_kv) * size_t(d) * 4);
+  if (det) {
+    L.chunk = SparseMlaBwdChunkQueries(s_q, d, k, chunk_queries);
+    const int64_t n = L.chunk * k;
+    if (n > INT32_MAX || s_kv + 1 > INT32_MAX) return cudaErrorInvalidValue;
+    L.partial = take(size_t(n) * size_t(d) * 4);
+    L.keys0 = take(size_t(n) * 4);
+    L.keys1 = take(size_t(n) * 4);
+    L.vals0 = take(size_t(n) * 4);
+    L.vals1 = take(size_t(n) * 4);
+    L.counts = take(size_t(s_kv + 1) * 4);
+    L.offsets = take(size_t(s_kv + 1) * 4);
+    L.temp_bytes = CubTempBound(n, s_kv);
+    L.temp = take(L.temp_bytes);
+  }
+  L.total = o;
+  return cudaSuccess;
+}
+
+template <int D>
+cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t stream) {
+  char* ws = static_cast<char*>(p.workspace);
+  float* delta = reinterpret_cast<float*>(ws + L.delta);
+  float* lse2 = reinterpret_cast<float*>(ws + L.lse2);
+  float* dsp = reinterpret_cast<float*>(ws + L.dsp);
+  float* accum = reinterpret_cast<float*>(ws + L.accum);
+  const int h = int(p.h);
+  const int64_t rows = p.s_q * p.h;
+
+  PrepKernel<<<unsigned((rows + 7) / 8), 256, 0, stream>>>(
+      static_cast<const bf16*>(p.out), static_cast<const bf16*>(p.dout), p.lse, p.attn_sink, rows, h,
+      delta, lse2, dsp);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  DsinkKernel<<<h, 256, 0, stream>>>(dsp, p.s_q, h, p.d_sink);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if ((e = cudaMemsetAsync(accum, 0, size_t(p.s_kv) * D * 4, stream)) != cudaSuccess) return e;
+
+  MainArgs a;
+  a.q = static_cast<const bf16*>(p.q);
+  a.kv = static_cast<const bf16*>(p.kv);
+  a.dout = static_cast<const bf16*>(p.dout);
+  a.idx = p.indices;
+  a.len = p.topk_length;
+  a.lse2 = lse2;
+  a.delta = delta;
+  a.accum = accum;
+  a.partial = nullptr;
+  a.dq = static_cast<bf16*>(p.dq);
+  a.s_kv = p.s_kv;
+  a.k = p.k;
+  a.t0 = 0;
+  a.h = h;
+  a.scale = p.sm_scale;
+  const int smem = MainSmem<D>::kBytes;
+
+  if (!p.deterministic) {
+    if ((e = cudaFuncSetAttribute(MainKernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+      return e;
+    MainKernel<D, false><<<unsigned(p.s_q), kThreads, smem, stream>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  } else {
+    if ((e = cudaFuncSetAttribute(MainKernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+      return e;
+    a.partial = reinterpret_cast<float*>(ws + L.partial);
+    uint32_t* keys0 = reinterpret_cast<uint32_t*>(ws + L.keys0);
+    uint32_t* keys1 = reinterpret_cast<uint32_t*>(ws + L.keys1);
+    uint32_t* vals0 = reinterpret_cast<uint32_t*>(ws + L.vals0);
+    uint32_t* vals1 = reinterpret_cast<uint32_t*>(ws + L.vals1);
+    uint32_t* counts = reinterpret_cast<uint32_t*>(ws + L.counts);
+    uint32_t* offsets = reinterpret_cast<uint32_t*>(ws + L.offsets);
+    void* temp = ws + L.temp;
+    const int bits = KeyBits(p.s_kv);
+    for (int64_t t0 = 0; t0 < p.s_q; t0 += L.chunk) {
+      const int64_t nq = p.s_q - t0 < L.chunk ? p.s_q - t0 : L.chunk;
+      const int64_t n = nq * p.k;
+      if ((e = cudaMemsetAsync(counts, 0, size_t(p.s_kv + 1) * 4, stream)) != cudaSuccess) return e;
+      const int64_t kblocks = (n + 255) / 256;
+      KeysKernel<<<unsigned(kblocks < 65536 ? kblocks : 65536), 256, 0, stream>>>(
+          p.indices, p.topk_length, t0, p.k, n, p.s_kv, keys0, vals0, counts);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+      size_t need = 0;
+      if ((e = cub::DeviceScan::ExclusiveSum(nullptr, need, counts, offsets, int(p.s_kv + 1))) != cudaSuccess)
+        return e;
+      if (need > L.temp_bytes) return cudaErrorInvalidValue;
+      size_t tb = L.temp_bytes;
+      if ((e = cub::DeviceScan::ExclusiveSum(temp, tb, counts, offsets, int(p.s_kv + 1), stream)) != cudaSuccess)
+        return e;
+      cub::DoubleBuffer<uint32_t> kb(keys0, keys1), vb(vals0, vals1);
+      if ((e = cub::DeviceRadixSort::SortPairs(nullptr, need, kb, vb, int(n), 0, bits)) != cudaSuccess) return e;
+      if (need > L.temp_bytes) return cudaErrorInvalidValue;
+      tb = L.temp_bytes;
+      if ((e = cub::DeviceRadixSort::SortPairs(temp, tb, kb, vb, int(n), 0, bits, stream)) != cudaSuccess)
+        return e;
+      a.t0 = t0;
+      MainKernel<D, true><<<unsigned(nq), kThreads, smem, stream>>>(a);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+      ReduceKernel<D><<<unsigned((p.s_kv + 7) / 8), 256, 0, stream>>>(
+          offsets, vb.Current(), reinterpret_cast<const float4*>(a.partial),
+          reinterpret_cast<float4*>(accum), p.s_kv);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+  }
+  const int64_t n4 = p.s_kv * D / 4;
+  const int64_t cblocks = (n4 + 255) / 256;
+  ConvertKernel<<<unsigned(cblocks < 65536 ? cblocks : 65536), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(accum), static_cast<uint2*>(p.dkv), n4);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t SparseMlaBwdChunkQueries(int64_t s_q, int64_t d, int64_t k, int64_t chunk_queries) {
+  int64_t c = chunk_queries;
+  if (c <= 0) {
+    const int64_t budget = int64_t(1) << 31;  // bytes of fp32 partial rows a chunk
+    c = budget / (k * d * 4);
+  }
+  if (c > INT32_MAX / k) c = INT32_MAX / k;  // pair ids are 32-bit
+  if (c > s_q) c = s_q;
+  return c < 1 ? 1 : c;
+}
+
+size_t SparseMlaBwdWorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t k,
+                                  bool deterministic, int64_t chunk_queries) {
+  if (!Supported(h, d) || s_q < 1 || s_kv < 1 || k < 1) return 0;
+  Layout L;
+  if (MakeLayout(s_q, s_kv, h, d, k, deterministic, chunk_queries, L) != cudaSuccess) return 0;
+  return L.total;
+}
+
+cudaError_t LaunchSparseMlaBwd(const SparseMlaBwdParams& p, cudaStream_t stream) {
+  if (!Supported(p.h, p.d) || p.s_q < 1 || p.s_kv < 1 || p.k < 1) return cudaErrorInvalidValue;
+  if (p.s_q > INT32_MAX || p.s_kv >= INT32_MAX || p.s_q * p.k > (int64_t(1) << 40)) return cudaErrorInvalidValue;
+  if (!p.q || !p.kv || !p.out || !p.dout || !p.lse || !p.attn_sink || !p.indices || !p.topk_length ||
+      !p.dq || !p.dkv || !p.d_sink || !p.workspace)
+    return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(p.workspace) % kAlign != 0) return cudaErrorInvalidValue;
+  Layout L;
+  cudaError_t e = MakeLayout(p.s_q, p.s_kv, p.h, p.d, p.k, p.deterministic, p.chunk_queries, L);
+  if (e != cudaSuccess) return e;
+  if (p.workspace_bytes < L.total) return cudaErrorInvalidValue;
+  return p.d == 576 ? LaunchD<576>(p, L, stream) : LaunchD<512>(p, L, stream);
+}
+
+}  // namespace sparse_mla_bwd
+}  // namespace jax_dsa
