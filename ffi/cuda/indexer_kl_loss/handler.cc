@@ -11,8 +11,9 @@
 //   jax_dsa_indexer_kl_dense_bwd_cuda: (iq, ik, w, idx, target [T, K] f32, index_lse [T] f32,
 //       fixed_scale) -> (d_iq, d_ik, d_w as above, score [T, K] f32, workspace); the dense form
 //       (BwdArgs::index_lse)
-//   The backward's deterministic mode: fixed_scale [1] f32 and a workspace of NB * s_kv * 128 * 8
-//   bytes (BwdArgs::d_ik_fixed); fixed_scale [0] and workspace [0]: the default fp32 atomics.
+//   The backward's deterministic mode: fixed_scale [1] f32 and a workspace of NB * s_kv * 1028
+//   bytes (BwdArgs::d_ik_fixed, 128 int64 a row, then d_ik_nonfinite, one uint32 a row);
+//   fixed_scale [0] and workspace [0]: the default fp32 atomics.
 // Flat rows: T = NB * s_q query rows, NB * s_kv key rows (batch element b's keys are rows
 // b * s_kv ...; idx holds per-batch key indices). Segment ids are [T] / [NB * s_kv] int32, or both
 // empty ([0]) for none. Run on XLA's stream; no allocation, no synchronisation.
@@ -186,7 +187,7 @@ ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi:
     a.target = per_slot.typed_data();
     a.score = (*score)->typed_data();
   }
-  const int64_t fixed_bytes = nkv * kIndexHeadDim * 8;
+  const int64_t fixed_bytes = nkv * (kIndexHeadDim * 8 + 4);
   const bool fixed = fixed_scale.element_count() == 1;
   JAX_DSA_KL_CHECK((fixed && workspace->element_count() == fixed_bytes) ||
                        (fixed_scale.element_count() == 0 && workspace->element_count() == 0),
@@ -196,6 +197,7 @@ ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi:
                        Dims(fixed_scale.dimensions()) + " and " + Dims(workspace->dimensions()));
   if (fixed) {
     a.d_ik_fixed = reinterpret_cast<unsigned long long*>(workspace->untyped_data());
+    a.d_ik_nonfinite = reinterpret_cast<unsigned*>(a.d_ik_fixed + nkv * kIndexHeadDim);
     a.fixed_scale = fixed_scale.typed_data();
   }
   if (const char* why = BwdUnsupported(a)) return Invalid(which, why);

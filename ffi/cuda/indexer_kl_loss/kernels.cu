@@ -77,9 +77,13 @@ __device__ __forceinline__ float Exp2(float x) {
 
 // Adds x * scale, rounded to the nearest integer, to a 64-bit two's-complement fixed-point sum:
 // integer addition is associative, so the sum is the same whatever order the adds land in.
-__device__ __forceinline__ void RedAddFixed(unsigned long long* p, float x, float scale) {
-  const unsigned long long v = static_cast<unsigned long long>(__float2ll_rn(x * scale));
+// Returns whether x is finite (a NaN or inf cannot be held: the caller flags its row).
+__device__ __forceinline__ bool RedAddFixed(unsigned long long* p, float x, float scale) {
+  const bool finite = isfinite(x);
+  const unsigned long long v =
+      finite ? static_cast<unsigned long long>(__float2ll_rn(x * scale)) : 0ull;
   asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+  return finite;
 }
 
 __device__ __forceinline__ void RedAddV4(float* p, float a, float b, float c, float d) {
@@ -778,11 +782,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
         const int row = rows[j0 + r0 + 8 * hr];
         if (row < 0) continue;
         unsigned long long* dst = a.d_ik_fixed + int64_t(row) * kIndexHeadDim + 2 * q4;
+        bool finite = true;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          RedAddFixed(dst + 8 * j, acc_u[4 * j + 2 * hr], scale);
-          RedAddFixed(dst + 8 * j + 1, acc_u[4 * j + 2 * hr + 1], scale);
+          finite &= RedAddFixed(dst + 8 * j, acc_u[4 * j + 2 * hr], scale);
+          finite &= RedAddFixed(dst + 8 * j + 1, acc_u[4 * j + 2 * hr + 1], scale);
         }
+        if (!finite) atomicOr(a.d_ik_nonfinite + row, 1u);
       }
     } else if constexpr (BULK) {
       if (tid < kBTile) BulkWaitRead();  // the previous tile's reductions have read the staging
@@ -1001,13 +1007,15 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// d_ik = d_ik_fixed / scale (exact power of two), element by element.
-__global__ void FixedToFloatKernel(const unsigned long long* fixed, const float* scale, float* out,
-                                   int64_t n) {
+// d_ik = d_ik_fixed / scale (exact power of two), element by element; NaN in the rows that were
+// given a non-finite term.
+__global__ void FixedToFloatKernel(const unsigned long long* fixed, const unsigned* nonfinite,
+                                   const float* scale, float* out, int64_t n) {
   const double inv = 1.0 / double(*scale);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = float(double(static_cast<long long>(fixed[i])) * inv);
+    out[i] = nonfinite[i / kIndexHeadDim] ? NAN
+                                          : float(double(static_cast<long long>(fixed[i])) * inv);
 }
 
 cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
@@ -1016,6 +1024,8 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     // Deterministic: one 64-bit fixed-point sum per element, in any order, then d_ik from it.
     cudaError_t e = cudaMemsetAsync(a.d_ik_fixed, 0, size_t(n_ik) * 8, stream);
     if (e != cudaSuccess) return e;
+    e = cudaMemsetAsync(a.d_ik_nonfinite, 0, size_t(n_ik / kIndexHeadDim) * 4, stream);
+    if (e != cudaSuccess) return e;
     if (a.t > 0) {
       e = a.index_lse != nullptr ? LaunchBwdWgHi<64, false, true, false, true>(a, stream)
                                  : LaunchBwdWgHi<64, false, false, false, true>(a, stream);
@@ -1023,7 +1033,7 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     }
     if (n_ik == 0) return cudaSuccess;
     FixedToFloatKernel<<<unsigned(std::min<int64_t>((n_ik + 255) / 256, 4096)), 256, 0, stream>>>(
-        a.d_ik_fixed, a.fixed_scale, a.d_ik, n_ik);
+        a.d_ik_fixed, a.d_ik_nonfinite, a.fixed_scale, a.d_ik, n_ik);
     return cudaGetLastError();
   }
   const size_t bytes = size_t(n_ik) * sizeof(float);

@@ -105,10 +105,13 @@ struct BwdArgs {
   // The deterministic mode (nullptr: off): d_ik is summed as 64-bit fixed point in d_ik_fixed
   // [NB * s_kv, 128] (zeroed here; the handler's workspace), each term x added as
   // round(x * *fixed_scale), then d_ik = d_ik_fixed / *fixed_scale. The caller picks the scale, a
-  // power of two, so that no partial sum reaches 2^63 (jax_dsa/ops/indexer/kl_loss/cuda.py).
+  // power of two, so that no partial sum of finite terms reaches 2^63
+  // (jax_dsa/ops/indexer/kl_loss/cuda.py). A row given a NaN or inf term is flagged in
+  // d_ik_nonfinite [NB * s_kv] (zeroed here) and comes out NaN.
   unsigned long long* d_ik_fixed = nullptr;
+  unsigned* d_ik_nonfinite = nullptr;
   const float* fixed_scale = nullptr;  // [1], device memory
-  // The struct is 152 bytes. NVVM compiles a parameter struct of at most 128 bytes differently
+  // The struct is 160 bytes. NVVM compiles a parameter struct of at most 128 bytes differently
   // (its fields loaded into registers up front), which changes kernel B's generated code: kernel
   // B was measured with more than 128.
 };

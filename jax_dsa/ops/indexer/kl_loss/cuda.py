@@ -183,22 +183,24 @@ def dense_lse_kernel(q, kv, q_pos, kv_pos, q_seg, kv_seg, *, sm_scale):
 
 def fixed_point_scale(iq, iw, per_row_mass):
     """The deterministic backward's fixed-point scale: the largest power of two ``2^F`` (``F`` in
-    [-100, 100]) with ``bound * 2^F <= 2^62``, where ``bound`` bounds every partial sum of any
-    ``d_ik`` element: sum over rows of ``per_row_mass[t] * sum_hi |w[t, hi]|`` (``per_row_mass``:
-    the row's sum of ``|dscore|``) times ``max |iq|``, plus 1% for G's bf16 rounding. Returns
-    ``(scale [1] float32, finite)``: ``finite`` is False when an input holds a NaN or inf (the
-    caller then poisons ``d_ik``)."""
+    [-100, 100]) with ``bound * 2^F <= 2^62``, where ``bound`` bounds every partial sum of finite
+    terms of any ``d_ik`` element: sum over rows of ``per_row_mass[t] * sum_hi |w[t, hi]|``
+    (``per_row_mass``: the row's sum of ``|dscore|``) times ``max |iq|``, over the finite
+    entries, plus 1% for G's bf16 rounding (the kernel flags the rows given a non-finite term).
+    Returns ``scale [1]`` float32."""
     f32 = jnp.float32
-    iq_abs = jnp.abs(iq.astype(f32))
-    # XLA's reduce-max may drop a NaN: count it as inf.
-    iq_max = jnp.max(jnp.where(jnp.isnan(iq_abs), jnp.inf, iq_abs))
-    bound = (jnp.sum(per_row_mass.astype(f32) * jnp.sum(jnp.abs(iw.astype(f32)), axis=-1))
-             * iq_max * 1.01)
-    finite = jnp.isfinite(bound)
-    exp = jnp.clip(jnp.floor(62.0 - jnp.log2(jnp.where(finite, bound, 1.0))), -100, 100)
+
+    def finite_abs(x):
+        x = jnp.abs(x.astype(f32))
+        return jnp.where(jnp.isfinite(x), x, 0)
+
+    bound = (jnp.sum(finite_abs(per_row_mass) * jnp.sum(finite_abs(iw), axis=-1))
+             * jnp.max(finite_abs(iq)) * 1.01)
+    bound = jnp.where(jnp.isfinite(bound) & (bound > 0), bound, 1.0)
+    exp = jnp.clip(jnp.floor(62.0 - jnp.log2(bound)), -100, 100)
     # Exactly 2^exp (exp2 may round): the float32 bit pattern with that biased exponent.
     bits = ((exp.astype(jnp.int32) + 127) << 23).reshape(1)
-    return jax.lax.bitcast_convert_type(bits, f32), finite
+    return jax.lax.bitcast_convert_type(bits, f32)
 
 
 def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
@@ -207,15 +209,15 @@ def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
     ``score`` the slots' scores ``[NB, S_q, K]``) float32, shaped like ``iq``, ``ik``, ``iw``;
     ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands.
     ``deterministic``: ``d_ik`` summed in 64-bit fixed point (bitwise reproducible), scaled by
-    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]``; where an input is not finite,
-    ``d_ik`` is NaN."""
+    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]`` (a row given a NaN or inf term is
+    NaN, as with the float32 atomics)."""
     nb, s_q, h_i, d_i = iq.shape
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
     bf, f32 = jnp.bfloat16, jnp.float32
     if deterministic:
-        scale, finite = fixed_point_scale(iq, iw, per_row_mass)
-        ws = nb * s_kv * d_i * 8
+        scale = fixed_point_scale(iq, iw, per_row_mass)
+        ws = nb * s_kv * (d_i * 8 + 4)
     else:
         scale, ws = jnp.zeros((0,), f32), 0
     shapes = ((t, h_i, d_i), (nb * s_kv, d_i), (t, h_i)) + (((t, k),) if score else ())
@@ -227,10 +229,7 @@ def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
                per_slot.astype(f32).reshape(t, k), *(x.astype(f32).reshape(t) for x in extra),
                scale, s_q=np.int64(s_q), s_kv=np.int64(s_kv))[:-1]
     shaped = (iq.shape, ik.shape, iw.shape) + ((idx.shape,) if score else ())
-    out = [o.reshape(x) for o, x in zip(out, shaped)]
-    if deterministic:
-        out[1] = jnp.where(finite, out[1], jnp.nan)
-    return tuple(out)
+    return tuple(o.reshape(x) for o, x in zip(out, shaped))
 
 
 def backward_kernel(iq, ik, iw, idx, dscore, deterministic=False):
