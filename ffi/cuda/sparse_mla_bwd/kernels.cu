@@ -713,7 +713,9 @@ cudaError_t LaunchSparseMlaBwd(const SparseMlaBwdParams& p, cudaStream_t stream)
   if (!p.q || !p.kv || !p.out || !p.dout || !p.lse || !p.attn_sink || !p.indices || !p.topk_length ||
       !p.dq || !p.dkv || !p.d_sink || !p.workspace)
     return cudaErrorInvalidValue;
-  if (reinterpret_cast<uintptr_t>(p.workspace) % kAlign != 0) return cudaErrorInvalidValue;
+  // 16 bytes (the float4 accesses; CUB aligns its own scratch): XLA places a custom call's
+  // buffers at multiples of 128 bytes only (kXlaAllocatedBufferAlignBytes), not of 256.
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return cudaErrorInvalidValue;
   Layout L;
   cudaError_t e = MakeLayout(p.s_q, p.s_kv, p.h, p.d, p.k, p.deterministic, p.chunk_queries, L);
   if (e != cudaSuccess) return e;

@@ -40,7 +40,7 @@ struct SparseMlaBwdParams {
   void* dq = nullptr;        // bf16 [s_q, h, d]
   void* dkv = nullptr;       // bf16 [s_kv, d]
   float* d_sink = nullptr;   // [h]
-  void* workspace = nullptr;  // SparseMlaBwdWorkspaceBytes(...) bytes, 256-byte aligned
+  void* workspace = nullptr;  // SparseMlaBwdWorkspaceBytes(...) bytes, 16-byte aligned
   size_t workspace_bytes = 0;
   // Dimensions.
   int64_t s_q = 0, s_kv = 0, h = 0, d = 0, k = 0;

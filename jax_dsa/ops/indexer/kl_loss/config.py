@@ -45,8 +45,8 @@ class KLConfig:
         (the target's per-head denominators are given, not recomputed).
       given_scores: ``indexer_kl_loss`` only: the operands hold ``index_scores`` just before the
         slots (the index scores of the slots, from the top-k).
-      deterministic: ``d index_k`` summed in a fixed-order-free exact way (bitwise reproducible
-        gradients; :mod:`jax_dsa.ops.determinism`).
+      deterministic: ``d index_k`` summed as 64-bit fixed point, whose integer sum does not
+        depend on the order (bitwise reproducible gradients; :mod:`jax_dsa.ops.determinism`).
     """
 
     sm_scale: float

@@ -196,7 +196,8 @@ def fixed_point_scale(iq, iw, per_row_mass):
 
     bound = (jnp.sum(finite_abs(per_row_mass) * jnp.sum(finite_abs(iw), axis=-1))
              * jnp.max(finite_abs(iq)) * 1.01)
-    bound = jnp.where(jnp.isfinite(bound) & (bound > 0), bound, 1.0)
+    # (a bound that overflowed float32 gives log2 = inf: the smallest scale, 2^-100)
+    bound = jnp.where(bound > 0, bound, 1.0)
     exp = jnp.clip(jnp.floor(62.0 - jnp.log2(bound)), -100, 100)
     # Exactly 2^exp (exp2 may round): the float32 bit pattern with that biased exponent.
     bits = ((exp.astype(jnp.int32) + 127) << 23).reshape(1)
@@ -209,8 +210,8 @@ def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
     ``score`` the slots' scores ``[NB, S_q, K]``) float32, shaped like ``iq``, ``ik``, ``iw``;
     ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands.
     ``deterministic``: ``d_ik`` summed in 64-bit fixed point (bitwise reproducible), scaled by
-    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]`` (a row given a NaN or inf term is
-    NaN, as with the float32 atomics)."""
+    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]`` (a ``d_ik`` row given a NaN or inf
+    term is NaN; the float32 atomics give NaN or inf in its affected elements)."""
     nb, s_q, h_i, d_i = iq.shape
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
