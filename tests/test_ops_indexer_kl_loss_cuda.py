@@ -386,16 +386,23 @@ def test_given_lse_lowers_to_the_target_and_score_kernels(cuda_op, monkeypatch):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_deterministic_passes_a_scale_and_a_fixed_point_workspace(cuda_op, deterministic):
-    """deterministic=True gives the backward kernel fixed_scale [1] and a workspace of 8 bytes
-    per d_ik element (its 64-bit sums) and 4 a row (the non-finite flags); False gives [0] and
-    [0] (the float32 atomics)."""
+    """deterministic=True calls the backward kernel's deterministic target with fixed_scale [1]
+    and a workspace of 8 bytes per d_ik element (its 64-bit sums) and 4 a row (the non-finite
+    flags); False, the default target without them (the float32 atomics)."""
     nb, s_q, s_kv, h_i = 1, 40, 50, 32
     _, calls = _lower_cuda_grad(cuda_op, nb, s_q, s_kv, 64, 576, h_i, 64, deterministic)
-    (bwd,) = [c for c in calls if c[0] == kl_loss_cuda.BWD_TARGET]
+    det_target = "jax_dsa_indexer_kl_bwd_det_cuda"
+    targets = {c[0] for c in calls}
+    assert (det_target in targets) == deterministic
+    assert (kl_loss_cuda.BWD_TARGET in targets) != deterministic
+    (bwd,) = [c for c in calls if c[0] in (det_target, kl_loss_cuda.BWD_TARGET)]
     _, _, _, operands, results = bwd
-    ws = nb * s_kv * (128 * 8 + 4) if deterministic else 0
-    assert operands.rstrip().endswith(f"tensor<{1 if deterministic else 0}xf32>"), operands
-    assert f"tensor<{ws}xui8>" in results, results
+    if deterministic:
+        assert operands.rstrip().endswith("tensor<1xf32>"), operands
+        assert f"tensor<{nb * s_kv * (128 * 8 + 4)}xui8>" in results, results
+    else:
+        assert operands.rstrip().endswith(f"tensor<{s_q}x64xf32>"), operands  # dscore last
+        assert "ui8" not in results, results
 
 
 def test_deterministic_is_checked(cuda_op):
@@ -453,8 +460,7 @@ def test_dense_grad_lowers_to_chunked_kernels(cuda_op, monkeypatch, given_lse):
     (_, _, attrs, operands, results), = [c for c in calls if c[0] == kl_loss_cuda.DENSE_BWD_TARGET]
     assert operands.split(", ") == [f"tensor<{s}x{h_i}x128xbf16>", f"tensor<{s}x128xbf16>",
                                     f"tensor<{s}x{h_i}xf32>", f"tensor<{s}x2048xi32>",
-                                    f"tensor<{s}x2048xf32>", f"tensor<{s}xf32>",
-                                    "tensor<0xf32>"], operands  # no fixed-point scale
+                                    f"tensor<{s}x2048xf32>", f"tensor<{s}xf32>"], operands
     for want in (f"tensor<{s}x{h_i}x128xf32>", f"tensor<{s}x128xf32>", f"tensor<{s}x{h_i}xf32>",
                  f"tensor<{s}x2048xf32>"):
         assert want in results, (want, results)

@@ -3,7 +3,8 @@
 //   jax_dsa_indexer_topk_cuda, jax_dsa_indexer_lse_cuda: the scores' top-k and log-sum-exp
 //       (indexer_topk/handler.cc)
 //   jax_dsa_indexer_kl_fwd_cuda, jax_dsa_indexer_score_cuda, jax_dsa_indexer_v4_kl_fwd_cuda,
-//   jax_dsa_indexer_kl_bwd_cuda, jax_dsa_indexer_kl_dense_bwd_cuda: the KL loss
+//   jax_dsa_indexer_kl_bwd_cuda, jax_dsa_indexer_kl_dense_bwd_cuda (and their _det_ twins, the
+//       deterministic mode): the KL loss
 //       (indexer_kl_loss/handler.cc)
 // Every execute handler carries the command-buffer trait (kernel launches and async memsets on
 // XLA's stream only).
@@ -23,6 +24,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerScoreCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerV4KlFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlDetBwdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxDsaIndexerKlDetDenseBwdCuda);
 
 namespace nb = nanobind;
 
@@ -52,6 +55,8 @@ NB_MODULE(_cuda_indexer, m) {
     d["jax_dsa_indexer_kl_fwd_cuda"] = Staged(nullptr, JaxDsaIndexerKlFwdCuda);
     d["jax_dsa_indexer_kl_bwd_cuda"] = Staged(nullptr, JaxDsaIndexerKlBwdCuda);
     d["jax_dsa_indexer_kl_dense_bwd_cuda"] = Staged(nullptr, JaxDsaIndexerKlDenseBwdCuda);
+    d["jax_dsa_indexer_kl_bwd_det_cuda"] = Staged(nullptr, JaxDsaIndexerKlDetBwdCuda);
+    d["jax_dsa_indexer_kl_dense_bwd_det_cuda"] = Staged(nullptr, JaxDsaIndexerKlDetDenseBwdCuda);
     d["jax_dsa_indexer_score_cuda"] = Staged(nullptr, JaxDsaIndexerScoreCuda);
     d["jax_dsa_indexer_v4_kl_fwd_cuda"] = Staged(nullptr, JaxDsaIndexerV4KlFwdCuda);
     return d;

@@ -5,15 +5,14 @@
 //   jax_dsa_indexer_v4_kl_fwd_cuda: (q, kv, iq, ik, w, idx, q_pos, kv_pos, q_seg, kv_seg, lse)
 //       -> (log mass [ceil(H / 64), T, K] f32, score [T, K] f32); lse [T, H] f32; same attrs
 //   jax_dsa_indexer_score_cuda: the forward's operands -> score [T, K] f32 alone; same attrs
-//   jax_dsa_indexer_kl_bwd_cuda: (iq, ik, w, idx, dscore, fixed_scale)
-//       -> (d_iq [T, H_I, 128] f32, d_ik [NB * s_kv, 128] f32, d_w [T, H_I] f32, workspace u8);
-//       attrs s_q, s_kv
-//   jax_dsa_indexer_kl_dense_bwd_cuda: (iq, ik, w, idx, target [T, K] f32, index_lse [T] f32,
-//       fixed_scale) -> (d_iq, d_ik, d_w as above, score [T, K] f32, workspace); the dense form
-//       (BwdArgs::index_lse)
-//   The backward's deterministic mode: fixed_scale [1] f32 and a workspace of NB * s_kv * 1028
-//   bytes (BwdArgs::d_ik_fixed, 128 int64 a row, then d_ik_nonfinite, one uint32 a row);
-//   fixed_scale [0] and workspace [0]: the default fp32 atomics.
+//   jax_dsa_indexer_kl_bwd_cuda: (iq, ik, w, idx, dscore)
+//       -> (d_iq [T, H_I, 128] f32, d_ik [NB * s_kv, 128] f32, d_w [T, H_I] f32); attrs s_q, s_kv
+//   jax_dsa_indexer_kl_dense_bwd_cuda: (iq, ik, w, idx, target [T, K] f32, index_lse [T] f32)
+//       -> (d_iq, d_ik, d_w as above, score [T, K] f32); the dense form (BwdArgs::index_lse)
+//   jax_dsa_indexer_kl_bwd_det_cuda, jax_dsa_indexer_kl_dense_bwd_det_cuda: the same in the
+//       deterministic mode, with one more operand, fixed_scale [1] f32, and one more result, a
+//       workspace of NB * s_kv * 1028 bytes (BwdArgs::d_ik_fixed, 128 int64 a row, then
+//       BwdArgs::d_ik_nonfinite, one uint32 a row)
 // Flat rows: T = NB * s_q query rows, NB * s_kv key rows (batch element b's keys are rows
 // b * s_kv ...; idx holds per-batch key indices). Segment ids are [T] / [NB * s_kv] int32, or both
 // empty ([0]) for none. Run on XLA's stream; no allocation, no synchronisation.
@@ -149,8 +148,8 @@ ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi:
                         ffi::Buffer<ffi::S32, 2>& idx, ffi::Buffer<ffi::F32, 2>& per_slot,
                         ffi::Buffer<ffi::F32, 1>* index_lse, ffi::ResultBuffer<ffi::F32, 2>* score,
                         ffi::ResultBuffer<ffi::F32, 3>& d_iq, ffi::ResultBuffer<ffi::F32, 2>& d_ik,
-                        ffi::ResultBuffer<ffi::F32, 2>& d_w, ffi::Buffer<ffi::F32, 1>& fixed_scale,
-                        ffi::ResultBuffer<ffi::U8, 1>& workspace, int64_t s_q, int64_t s_kv) {
+                        ffi::ResultBuffer<ffi::F32, 2>& d_w, ffi::Buffer<ffi::F32, 1>* fixed_scale,
+                        ffi::ResultBuffer<ffi::U8, 1>* workspace, int64_t s_q, int64_t s_kv) {
   const int64_t t = iq.dimensions()[0], h_i = iq.dimensions()[1];
   const int64_t nkv = ik.dimensions()[0], k = idx.dimensions()[1];
   JAX_DSA_KL_CHECK(s_q >= 1 && s_kv >= 1, which, "attributes s_q and s_kv must be >= 1");
@@ -187,18 +186,18 @@ ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi:
     a.target = per_slot.typed_data();
     a.score = (*score)->typed_data();
   }
-  const int64_t fixed_bytes = nkv * (kIndexHeadDim * 8 + 4);
-  const bool fixed = fixed_scale.element_count() == 1;
-  JAX_DSA_KL_CHECK((fixed && workspace->element_count() == fixed_bytes) ||
-                       (fixed_scale.element_count() == 0 && workspace->element_count() == 0),
-                   which,
-                   "the deterministic mode takes fixed_scale [1] and a workspace of " +
-                       std::to_string(fixed_bytes) + " bytes, the default mode [0] and [0]; got " +
-                       Dims(fixed_scale.dimensions()) + " and " + Dims(workspace->dimensions()));
-  if (fixed) {
-    a.d_ik_fixed = reinterpret_cast<unsigned long long*>(workspace->untyped_data());
+  if (fixed_scale) {  // the deterministic mode
+    const int64_t fixed_bytes = nkv * (kIndexHeadDim * 8 + 4);
+    JAX_DSA_KL_CHECK(fixed_scale->element_count() == 1 &&
+                         (*workspace)->element_count() == fixed_bytes,
+                     which,
+                     "the deterministic mode takes fixed_scale [1] and a workspace of " +
+                         std::to_string(fixed_bytes) + " bytes; got " +
+                         Dims(fixed_scale->dimensions()) + " and " +
+                         Dims((*workspace)->dimensions()));
+    a.d_ik_fixed = reinterpret_cast<unsigned long long*>((*workspace)->untyped_data());
     a.d_ik_nonfinite = reinterpret_cast<unsigned*>(a.d_ik_fixed + nkv * kIndexHeadDim);
-    a.fixed_scale = fixed_scale.typed_data();
+    a.fixed_scale = fixed_scale->typed_data();
   }
   if (const char* why = BwdUnsupported(a)) return Invalid(which, why);
   cudaError_t e = LaunchBwd(a, stream);
@@ -207,23 +206,44 @@ ffi::Error BackwardImpl(const char* which, cudaStream_t stream, ffi::Buffer<ffi:
 
 ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
                     ffi::Buffer<ffi::F32, 2> w, ffi::Buffer<ffi::S32, 2> idx,
-                    ffi::Buffer<ffi::F32, 2> dscore, ffi::Buffer<ffi::F32, 1> fixed_scale,
-                    ffi::ResultBuffer<ffi::F32, 3> d_iq, ffi::ResultBuffer<ffi::F32, 2> d_ik,
-                    ffi::ResultBuffer<ffi::F32, 2> d_w, ffi::ResultBuffer<ffi::U8, 1> workspace,
+                    ffi::Buffer<ffi::F32, 2> dscore, ffi::ResultBuffer<ffi::F32, 3> d_iq,
+                    ffi::ResultBuffer<ffi::F32, 2> d_ik, ffi::ResultBuffer<ffi::F32, 2> d_w,
                     int64_t s_q, int64_t s_kv) {
   return BackwardImpl("backward", stream, iq, ik, w, idx, dscore, nullptr, nullptr, d_iq, d_ik,
-                      d_w, fixed_scale, workspace, s_q, s_kv);
+                      d_w, nullptr, nullptr, s_q, s_kv);
 }
 
 ffi::Error DenseBackward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq,
                          ffi::Buffer<ffi::BF16, 2> ik, ffi::Buffer<ffi::F32, 2> w,
                          ffi::Buffer<ffi::S32, 2> idx, ffi::Buffer<ffi::F32, 2> target,
-                         ffi::Buffer<ffi::F32, 1> index_lse, ffi::Buffer<ffi::F32, 1> fixed_scale,
-                         ffi::ResultBuffer<ffi::F32, 3> d_iq, ffi::ResultBuffer<ffi::F32, 2> d_ik,
-                         ffi::ResultBuffer<ffi::F32, 2> d_w, ffi::ResultBuffer<ffi::F32, 2> score,
-                         ffi::ResultBuffer<ffi::U8, 1> workspace, int64_t s_q, int64_t s_kv) {
+                         ffi::Buffer<ffi::F32, 1> index_lse, ffi::ResultBuffer<ffi::F32, 3> d_iq,
+                         ffi::ResultBuffer<ffi::F32, 2> d_ik, ffi::ResultBuffer<ffi::F32, 2> d_w,
+                         ffi::ResultBuffer<ffi::F32, 2> score, int64_t s_q, int64_t s_kv) {
   return BackwardImpl("dense backward", stream, iq, ik, w, idx, target, &index_lse, &score, d_iq,
-                      d_ik, d_w, fixed_scale, workspace, s_q, s_kv);
+                      d_ik, d_w, nullptr, nullptr, s_q, s_kv);
+}
+
+ffi::Error DeterministicBackward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq,
+                                 ffi::Buffer<ffi::BF16, 2> ik, ffi::Buffer<ffi::F32, 2> w,
+                                 ffi::Buffer<ffi::S32, 2> idx, ffi::Buffer<ffi::F32, 2> dscore,
+                                 ffi::Buffer<ffi::F32, 1> fixed_scale,
+                                 ffi::ResultBuffer<ffi::F32, 3> d_iq,
+                                 ffi::ResultBuffer<ffi::F32, 2> d_ik,
+                                 ffi::ResultBuffer<ffi::F32, 2> d_w,
+                                 ffi::ResultBuffer<ffi::U8, 1> workspace, int64_t s_q, int64_t s_kv) {
+  return BackwardImpl("deterministic backward", stream, iq, ik, w, idx, dscore, nullptr, nullptr,
+                      d_iq, d_ik, d_w, &fixed_scale, &workspace, s_q, s_kv);
+}
+
+ffi::Error DeterministicDenseBackward(
+    cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq, ffi::Buffer<ffi::BF16, 2> ik,
+    ffi::Buffer<ffi::F32, 2> w, ffi::Buffer<ffi::S32, 2> idx, ffi::Buffer<ffi::F32, 2> target,
+    ffi::Buffer<ffi::F32, 1> index_lse, ffi::Buffer<ffi::F32, 1> fixed_scale,
+    ffi::ResultBuffer<ffi::F32, 3> d_iq, ffi::ResultBuffer<ffi::F32, 2> d_ik,
+    ffi::ResultBuffer<ffi::F32, 2> d_w, ffi::ResultBuffer<ffi::F32, 2> score,
+    ffi::ResultBuffer<ffi::U8, 1> workspace, int64_t s_q, int64_t s_kv) {
+  return BackwardImpl("deterministic dense backward", stream, iq, ik, w, idx, target, &index_lse,
+                      &score, d_iq, d_ik, d_w, &fixed_scale, &workspace, s_q, s_kv);
 }
 
 #undef JAX_DSA_KL_CHECK
@@ -285,13 +305,27 @@ ffi::Error DenseBackward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> iq,
 
 #define JAX_DSA_KL_BWD_BINDING                                 \
   JAX_DSA_KL_BWD_ARGS                                          \
+      JAX_DSA_KL_BWD_RETS                                      \
+      .Attr<int64_t>("s_q")                                    \
+      .Attr<int64_t>("s_kv")
+
+#define JAX_DSA_KL_DENSE_BWD_BINDING                           \
+  JAX_DSA_KL_BWD_ARGS                                          \
+      .Arg<ffi::Buffer<ffi::F32, 1>>()  /* index_lse */        \
+      JAX_DSA_KL_BWD_RETS                                      \
+      .Ret<ffi::Buffer<ffi::F32, 2>>()  /* score */            \
+      .Attr<int64_t>("s_q")                                    \
+      .Attr<int64_t>("s_kv")
+
+#define JAX_DSA_KL_DET_BWD_BINDING                             \
+  JAX_DSA_KL_BWD_ARGS                                          \
       .Arg<ffi::Buffer<ffi::F32, 1>>()  /* fixed_scale */      \
       JAX_DSA_KL_BWD_RETS                                      \
       .Ret<ffi::Buffer<ffi::U8, 1>>()   /* workspace */        \
       .Attr<int64_t>("s_q")                                    \
       .Attr<int64_t>("s_kv")
 
-#define JAX_DSA_KL_DENSE_BWD_BINDING                           \
+#define JAX_DSA_KL_DET_DENSE_BWD_BINDING                       \
   JAX_DSA_KL_BWD_ARGS                                          \
       .Arg<ffi::Buffer<ffi::F32, 1>>()  /* index_lse */        \
       .Arg<ffi::Buffer<ffi::F32, 1>>()  /* fixed_scale */      \
@@ -312,3 +346,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlBwdCuda, jax_dsa::indexer_kl::Backw
                               JAX_DSA_KL_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlDenseBwdCuda, jax_dsa::indexer_kl::DenseBackward,
                               JAX_DSA_KL_DENSE_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlDetBwdCuda, jax_dsa::indexer_kl::DeterministicBackward,
+                              JAX_DSA_KL_DET_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerKlDetDenseBwdCuda,
+                              jax_dsa::indexer_kl::DeterministicDenseBackward,
+                              JAX_DSA_KL_DET_DENSE_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});

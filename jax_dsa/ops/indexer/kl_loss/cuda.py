@@ -63,6 +63,7 @@ FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
 SCORE_TARGET = "jax_dsa_indexer_score_cuda"
 BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
 DENSE_BWD_TARGET = "jax_dsa_indexer_kl_dense_bwd_cuda"
+DET_SUFFIX = "_det"  # the deterministic mode's targets: BWD_TARGET's name with it before "_cuda"
 MODULE = "_cuda_indexer"
 KERNEL_D_QK = (512, 576)
 INDEX_HEAD_DIM = 128
@@ -216,19 +217,18 @@ def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
     bf, f32 = jnp.bfloat16, jnp.float32
-    if deterministic:
-        scale = fixed_point_scale(iq, iw, per_row_mass)
-        ws = nb * s_kv * (d_i * 8 + 4)
-    else:
-        scale, ws = jnp.zeros((0,), f32), 0
     shapes = ((t, h_i, d_i), (nb * s_kv, d_i), (t, h_i)) + (((t, k),) if score else ())
     results = tuple(jax.ShapeDtypeStruct(x, f32) for x in shapes)
-    call = jax.ffi.ffi_call(target, results + (jax.ShapeDtypeStruct((ws,), jnp.uint8),),
-                            vmap_method="sequential")
+    det = ()
+    if deterministic:  # one more operand (the scale) and result (the fixed-point workspace)
+        target = target.removesuffix("_cuda") + DET_SUFFIX + "_cuda"
+        results += (jax.ShapeDtypeStruct((nb * s_kv * (d_i * 8 + 4),), jnp.uint8),)
+        det = (fixed_point_scale(iq, iw, per_row_mass),)
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
     out = call(iq.astype(bf).reshape(t, h_i, d_i), ik.astype(bf).reshape(nb * s_kv, d_i),
                iw.astype(f32).reshape(t, h_i), idx.astype(jnp.int32).reshape(t, k),
                per_slot.astype(f32).reshape(t, k), *(x.astype(f32).reshape(t) for x in extra),
-               scale, s_q=np.int64(s_q), s_kv=np.int64(s_kv))[:-1]
+               *det, s_q=np.int64(s_q), s_kv=np.int64(s_kv))[:len(shapes)]
     shaped = (iq.shape, ik.shape, iw.shape) + ((idx.shape,) if score else ())
     return tuple(o.reshape(x) for o, x in zip(out, shaped))
 
