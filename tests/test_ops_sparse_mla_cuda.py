@@ -450,7 +450,7 @@ BWD_CASES = [  # (name, batch, s_q, s_kv, h, d, k, sink, lengths, sm_scale, vali
      512**-0.5, False),
     ("v4 H64 D512 K640 sink S_q200 S_kv1500", (), 200, 1500, 64, 512, 640, True, False,
      512**-0.5, False),
-    ("glue B2 H16 D576 K300 sink S_q70 S_kv400 topk_length", (2,), 70, 400, 16, 576, 300, True,
+    ("glue B2 H24 D576 K300 sink S_q70 S_kv400 topk_length", (2,), 70, 400, 24, 576, 300, True,
      True, 0.07, False),
     # past the last slot bucket: the wide variant (K a run-time size)
     ("wide H64 D576 K4096 S_q100 S_kv6000 topk_length", (), 100, 6000, 64, 576, 4096, False, True,
