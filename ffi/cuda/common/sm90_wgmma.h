@@ -1,6 +1,6 @@
-// SM90 warpgroup MMA (wgmma) helpers shared by the indexer kernels: shared-memory matrix
-// descriptors for the 128-byte swizzle, the wgmma issue / commit / wait instructions, mbarriers and
-// the async-proxy fence. PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
+// SM90 warpgroup MMA (wgmma) helpers shared by the indexer kernels and the sparse MLA backward:
+// cp.async copies, shared-memory matrix descriptors for the 128-byte swizzle, the wgmma issue /
+// commit / wait instructions, mbarriers and the async-proxy fence. PTX ISA 8.x, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
 //
 // Operand layout (both majors): a [rows, 128] bf16 operand is stored as two 64-column blocks of
 // rows x 128 bytes; 16-byte chunk c of row r sits at chunk c ^ (r & 7) (WgChunk). Read K-major
@@ -12,6 +12,25 @@
 
 namespace jax_dsa {
 namespace sm90 {
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t SmemU32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copies (cp.async, L2 only).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// Copies 16 bytes, or writes 16 zero bytes when !pred (src is not read then, but must be valid).
+__device__ __forceinline__ void CpAsync16Zfill(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 
 // Byte offset of 16-byte chunk c (0..15) of row r in a 128-byte-swizzled operand of `rows` rows x
 // 128 bf16 (two 64-column blocks).

@@ -29,24 +29,10 @@ constexpr int kWarps = kThreads / 32;
 // ---------------------------------------------------------------------------------------------
 // PTX helpers
 
-__device__ __forceinline__ uint32_t SmemU32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
-// Copies 16 bytes, or writes 16 zero bytes when !pred (src is not read then, but must be valid).
-__device__ __forceinline__ void CpAsync16Zfill(uint32_t dst, const void* src, bool pred) {
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
+using sm90::CpAsync16;
+using sm90::CpAsync16Zfill;
+using sm90::CpAsyncCommit;
+using sm90::SmemU32;
 
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
