@@ -391,7 +391,7 @@ def test_deterministic_passes_a_scale_and_a_fixed_point_workspace(cuda_op, deter
     flags); False, the default target without them (the float32 atomics)."""
     nb, s_q, s_kv, h_i = 1, 40, 50, 32
     _, calls = _lower_cuda_grad(cuda_op, nb, s_q, s_kv, 64, 576, h_i, 64, deterministic)
-    det_target = "jax_dsa_indexer_kl_bwd_det_cuda"
+    det_target = kl_loss_cuda.BWD_DET_TARGET
     targets = {c[0] for c in calls}
     assert (det_target in targets) == deterministic
     assert (kl_loss_cuda.BWD_TARGET in targets) != deterministic

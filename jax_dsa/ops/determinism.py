@@ -43,7 +43,7 @@ def resolve(op: str, deterministic) -> bool:
 def xla_supported(call) -> str | None:
     """A ``supported`` check for the pure-JAX implementations: their backward's scatter-adds are
     deterministic on the host, and on a GPU only under XLA's flag (XLA then sorts them)."""
-    if (getattr(call, "deterministic", False) and jax.default_backend() == "gpu"
+    if (call.deterministic and jax.default_backend() == "gpu"
             and not xla_deterministic_ops()):
         return (f"implementation='xla' is deterministic on a GPU only with XLA_FLAGS="
                 f"{_FLAG}=true")

@@ -57,6 +57,20 @@ __device__ __forceinline__ void WgWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// A thread's fp32 wgmma accumulator holds columns 8 j + 2 q4 (+1) of rows r0 (acc[4 j], acc[4 j + 1])
+// and r0 + 8 (acc[4 j + 2], acc[4 j + 3]), q4 = lane & 3. Lane pairs (q4, q4 ^ 1) swap halves so
+// that each returns 4 consecutive columns 8 j + 2 (q4 & ~1) .. + 3 of one row: r0 where q4 is even,
+// r0 + 8 where it is odd (for 16-byte stores or red.v4). Every lane of the warp must call it.
+template <int N>
+__device__ __forceinline__ float4 RowQuad(const float (&acc)[N], int j, bool even) {
+  const float s0 = even ? acc[4 * j + 2] : acc[4 * j];
+  const float s1 = even ? acc[4 * j + 3] : acc[4 * j + 1];
+  const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+  const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+  return even ? make_float4(acc[4 * j], acc[4 * j + 1], x0, x1)
+              : make_float4(x0, x1, acc[4 * j + 2], acc[4 * j + 3]);
+}
+
 // Keeps the compiler from moving accumulator reads or writes across a wgmma's issue or wait.
 template <int N>
 __device__ __forceinline__ void WgFenceOperand(float (&d)[N]) {

@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <string>
 
-#include "common/ffi_shapes.h"
 #include "cuda/dsa_bwd/launch.h"
+#include "cuda/sparse_mla_bwd/contract.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -51,16 +51,9 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
                     float sm_scale) {
   const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
   const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
-  if (!Shaped(kv, {s_kv, d})) return Invalid("kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]");
-  const std::string dv = std::to_string(kDsaBwdDv);
-  if (!Shaped(out, {s_q, h, kDsaBwdDv})) return Invalid("out " + Dims(out.dimensions()) + " must be [S_q, H, " + dv + "]");
-  if (!Shaped(dout, {s_q, h, kDsaBwdDv})) return Invalid("dout " + Dims(dout.dimensions()) + " must be [S_q, H, " + dv + "]");
-  if (!Shaped(lse, {s_q, h})) return Invalid("lse " + Dims(lse.dimensions()) + " must be [S_q, H]");
-  if (!Shaped(attn_sink, {h})) return Invalid("attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]");
-  if (!Shaped(indices, {s_q, k})) return Invalid("indices " + Dims(indices.dimensions()) + " must be [S_q, K]");
-  if (!Shaped(topk_length, {s_q})) return Invalid("topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]");
-  if (!Shaped(*dq, {s_q, h, d}) || !Shaped(*dkv, {s_kv, d}) || !Shaped(*d_sink, {h}))
-    return Invalid("results dq, dkv, d_attn_sink must be shaped like q, kv, attn_sink");
+  const std::string bad = BackwardShapeError(q, kv, out, dout, lse, attn_sink, indices,
+                                             topk_length, *dq, *dkv, *d_sink, kDsaBwdDv);
+  if (!bad.empty()) return Invalid(bad);
   if (s_q < 1 || s_kv < 1) return Invalid("S_q and S_kv must be >= 1");
   if (s_q > INT32_MAX / 2 || s_kv > INT32_MAX / 2 || AccumElems(s_kv, d) > INT32_MAX ||
       k > INT32_MAX / 2 || s_q * k > INT32_MAX)

@@ -800,16 +800,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
       float* dst = a.d_ik + int64_t(row < 0 ? 0 : row) * kIndexHeadDim + 2 * (q4 & ~1);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const float s0 = even ? acc_u[4 * j + 2] : acc_u[4 * j];
-        const float s1 = even ? acc_u[4 * j + 3] : acc_u[4 * j + 1];
-        const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-        const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-        if (row >= 0) {
-          if (even)
-            RedAddV4(dst + 8 * j, acc_u[4 * j], acc_u[4 * j + 1], x0, x1);
-          else
-            RedAddV4(dst + 8 * j, x0, x1, acc_u[4 * j + 2], acc_u[4 * j + 3]);
-        }
+        const float4 v = RowQuad(acc_u, j, even);
+        if (row >= 0) RedAddV4(dst + 8 * j, v.x, v.y, v.z, v.w);
       }
     }
   };

@@ -376,14 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
         const int row = rows[slot];
         float4 v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float s0 = even ? acc[4 * j + 2] : acc[4 * j];
-          const float s1 = even ? acc[4 * j + 3] : acc[4 * j + 1];
-          const float x0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-          const float x1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-          v[j] = even ? make_float4(acc[4 * j], acc[4 * j + 1], x0, x1)
-                      : make_float4(x0, x1, acc[4 * j + 2], acc[4 * j + 3]);
-        }
+        for (int j = 0; j < 8; ++j) v[j] = RowQuad(acc, j, even);
         const int col0 = 64 * c + 2 * (q4 & ~1);
         if constexpr (DET) {
           // The partial row of pair (t - t0) K + j: written by head tile 0 (WG0's rope half

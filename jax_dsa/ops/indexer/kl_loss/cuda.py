@@ -63,7 +63,9 @@ FWD_TARGET = "jax_dsa_indexer_kl_fwd_cuda"
 SCORE_TARGET = "jax_dsa_indexer_score_cuda"
 BWD_TARGET = "jax_dsa_indexer_kl_bwd_cuda"
 DENSE_BWD_TARGET = "jax_dsa_indexer_kl_dense_bwd_cuda"
-DET_SUFFIX = "_det"  # the deterministic mode's targets: BWD_TARGET's name with it before "_cuda"
+# The deterministic mode's (d index_k in 64-bit fixed point): one more operand and result.
+BWD_DET_TARGET = "jax_dsa_indexer_kl_bwd_det_cuda"
+DENSE_BWD_DET_TARGET = "jax_dsa_indexer_kl_dense_bwd_det_cuda"
 MODULE = "_cuda_indexer"
 KERNEL_D_QK = (512, 576)
 INDEX_HEAD_DIM = 128
@@ -205,14 +207,13 @@ def fixed_point_scale(iq, iw, per_row_mass):
     return jax.lax.bitcast_convert_type(bits, f32)
 
 
-def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
-                   deterministic=False, per_row_mass=None):
+def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False, per_row_mass=None):
     """A backward-kernel custom call on flattened batches: ``(d_iq, d_ik, d_w)`` (and with
     ``score`` the slots' scores ``[NB, S_q, K]``) float32, shaped like ``iq``, ``ik``, ``iw``;
     ``per_slot [NB, S_q, K]`` and ``extra`` (``[NB, S_q]`` each) float32 operands.
-    ``deterministic``: ``d_ik`` summed in 64-bit fixed point (bitwise reproducible), scaled by
-    :func:`fixed_point_scale` of ``per_row_mass [NB, S_q]`` (a ``d_ik`` row given a NaN or inf
-    term is NaN; the float32 atomics give NaN or inf in its affected elements)."""
+    ``per_row_mass [NB, S_q]``, for a deterministic target: ``d_ik`` summed in 64-bit fixed
+    point (bitwise reproducible), scaled by :func:`fixed_point_scale` of it (a ``d_ik`` row given
+    a NaN or inf term is NaN; the float32 atomics give NaN or inf in its affected elements)."""
     nb, s_q, h_i, d_i = iq.shape
     s_kv, k = ik.shape[1], idx.shape[-1]
     t = nb * s_q
@@ -220,8 +221,7 @@ def _backward_call(target, iq, ik, iw, idx, per_slot, *extra, score=False,
     shapes = ((t, h_i, d_i), (nb * s_kv, d_i), (t, h_i)) + (((t, k),) if score else ())
     results = tuple(jax.ShapeDtypeStruct(x, f32) for x in shapes)
     det = ()
-    if deterministic:  # one more operand (the scale) and result (the fixed-point workspace)
-        target = target.removesuffix("_cuda") + DET_SUFFIX + "_cuda"
+    if per_row_mass is not None:  # the scale, and the fixed-point sums' workspace
         results += (jax.ShapeDtypeStruct((nb * s_kv * (d_i * 8 + 4),), jnp.uint8),)
         det = (fixed_point_scale(iq, iw, per_row_mass),)
     call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
@@ -237,9 +237,10 @@ def backward_kernel(iq, ik, iw, idx, dscore, deterministic=False):
     """The backward kernel on flattened batches: ``(d_iq, d_ik, d_w)`` float32, shaped like
     ``iq``, ``ik``, ``iw``, from ``dscore [NB, S_q, K]`` (0 off the support); ``deterministic``:
     see :func:`_backward_call`."""
-    mass = jnp.sum(jnp.abs(dscore.astype(jnp.float32)), axis=-1) if deterministic else None
-    return _backward_call(BWD_TARGET, iq, ik, iw, idx, dscore, deterministic=deterministic,
-                          per_row_mass=mass)
+    if not deterministic:
+        return _backward_call(BWD_TARGET, iq, ik, iw, idx, dscore)
+    mass = jnp.sum(jnp.abs(dscore.astype(jnp.float32)), axis=-1)
+    return _backward_call(BWD_DET_TARGET, iq, ik, iw, idx, dscore, per_row_mass=mass)
 
 
 def index_lse_kernel(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
@@ -255,10 +256,11 @@ def dense_backward_kernel(iq, ik, iw, idx, target, index_lse, deterministic=Fals
     ``I`` recomputed by the kernel and returned as ``score [NB, S_q, K]`` (``-inf`` on invalid
     slots); ``target [NB, S_q, K]``, ``index_lse [NB, S_q]``. ``deterministic``: see
     :func:`_backward_call` (``|dscore| <= 1``: a difference of two probabilities)."""
-    mass = (jnp.full(index_lse.shape, float(idx.shape[-1]), jnp.float32) if deterministic
-            else None)
-    return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True,
-                          deterministic=deterministic, per_row_mass=mass)
+    if not deterministic:
+        return _backward_call(DENSE_BWD_TARGET, iq, ik, iw, idx, target, index_lse, score=True)
+    mass = jnp.full(index_lse.shape, float(idx.shape[-1]), jnp.float32)
+    return _backward_call(DENSE_BWD_DET_TARGET, iq, ik, iw, idx, target, index_lse, score=True,
+                          per_row_mass=mass)
 
 
 def _support(kv_pos, q_pos, q_seg, kv_seg, idx, s_kv):

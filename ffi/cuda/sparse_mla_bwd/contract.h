@@ -1,0 +1,38 @@
+// The shapes of the sparse MLA backward's FFI contract, shared by its two handlers: the cuDNN
+// frontend's kernels (dsa_bwd/handler.cc) and jax_dsa's own (sparse_mla_bwd/handler.cc). Operands
+// q [S_q, H, D], kv [S_kv, D], out / dout [S_q, H, d_v], lse [S_q, H], attn_sink [H],
+// indices [S_q, K], topk_length [S_q]; results dq, dkv, d_attn_sink shaped like q, kv, attn_sink.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_shapes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_dsa {
+
+// "" when the buffers follow the contract, else what is wrong (naming the buffer).
+template <typename Q, typename KV, typename O, typename L, typename S, typename I, typename T,
+          typename DQ, typename DKV, typename DS>
+std::string BackwardShapeError(const Q& q, const KV& kv, const O& out, const O& dout, const L& lse,
+                               const S& attn_sink, const I& indices, const T& topk_length,
+                               const DQ& dq, const DKV& dkv, const DS& d_sink, int64_t d_v) {
+  const int64_t s_q = q.dimensions()[0], h = q.dimensions()[1], d = q.dimensions()[2];
+  const int64_t s_kv = kv.dimensions()[0], k = indices.dimensions()[1];
+  const std::string dv = std::to_string(d_v);
+  if (!Shaped(kv, {s_kv, d}))
+    return "kv " + Dims(kv.dimensions()) + " must be [S_kv, D_qk=" + std::to_string(d) + "]";
+  if (!Shaped(out, {s_q, h, d_v})) return "out " + Dims(out.dimensions()) + " must be [S_q, H, " + dv + "]";
+  if (!Shaped(dout, {s_q, h, d_v})) return "dout " + Dims(dout.dimensions()) + " must be [S_q, H, " + dv + "]";
+  if (!Shaped(lse, {s_q, h})) return "lse " + Dims(lse.dimensions()) + " must be [S_q, H]";
+  if (!Shaped(attn_sink, {h})) return "attn_sink " + Dims(attn_sink.dimensions()) + " must be [H]";
+  if (!Shaped(indices, {s_q, k})) return "indices " + Dims(indices.dimensions()) + " must be [S_q, K]";
+  if (!Shaped(topk_length, {s_q}))
+    return "topk_length " + Dims(topk_length.dimensions()) + " must be [S_q]";
+  if (!Shaped(dq, {s_q, h, d}) || !Shaped(dkv, {s_kv, d}) || !Shaped(d_sink, {h}))
+    return "results dq, dkv, d_attn_sink must be shaped like q, kv, attn_sink";
+  return "";
+}
+
+}  // namespace jax_dsa
