@@ -327,10 +327,11 @@ def _check_bf16(ref, got, reads, strict=True):
         assert np.linalg.norm(a[finite] - b[finite]) <= 2e-2 * np.linalg.norm(b[finite]) + 1e-6
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 @pytest.mark.parametrize("where", ["selected", "unselected"])
 @pytest.mark.gpu
-def test_sparse_mla_cuda_poisoned_key(poison, where):
+def test_sparse_mla_cuda_poisoned_key(poison, where, deterministic):
     rng = np.random.default_rng(10)
     s_q, s_kv, h, d, d_v, k = 8, 96, 64, 576, 512, 64
     q = _bf16(rng.standard_normal((s_q, h, d)))
@@ -344,7 +345,7 @@ def test_sparse_mla_cuda_poisoned_key(poison, where):
     dout = _bf16(rng.standard_normal((s_q, h, d_v)))
     sink = np.full((h,), -np.inf, np.float32)
     fn = lambda q, kv: sparse_mla(q, kv, indices, sm_scale=GLM5_SCALE, d_v=d_v,  # noqa: E731
-                                  implementation="cuda")
+                                  implementation="cuda", deterministic=deterministic)
     got = _value_and_grads(fn, jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                            jnp.asarray(dout, jnp.bfloat16))
     reads = _sparse_reads(indices, np.full((s_q,), k), s_kv)
@@ -357,9 +358,10 @@ def test_sparse_mla_cuda_poisoned_key(poison, where):
     assert np.isneginf(np.asarray(mx)[1]).all()  # the empty row
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("case", sorted(DENSE_CASES))
 @pytest.mark.gpu
-def test_dense_mla_cuda_invisible_poison_never_reaches(case):
+def test_dense_mla_cuda_invisible_poison_never_reaches(case, deterministic):
     pos, seg, bad, poison = DENSE_CASES[case]
     rng = np.random.default_rng(11)
     s_kv = max(len(pos), bad + 1)
@@ -371,7 +373,7 @@ def test_dense_mla_cuda_invisible_poison_never_reaches(case):
     dout = _bf16(rng.standard_normal((len(pos), h, d_v)))
     fn = lambda q, kv: dense_mla(q, kv, sm_scale=GLM5_SCALE, d_v=d_v, q_positions=pos,  # noqa: E731
                                  kv_positions=kv_pos, q_segment_ids=seg, kv_segment_ids=seg,
-                                 implementation="cuda")
+                                 implementation="cuda", deterministic=deterministic)
     got = _value_and_grads(fn, jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16),
                            jnp.asarray(dout, jnp.bfloat16))
     reads = _dense_reads(pos, kv_pos, seg, seg)
