@@ -97,6 +97,42 @@ def test_deterministic_grad_lowers_to_the_own_backward(h, d_qk, k, hp):
 
 
 @needs_cuda
+def test_env_picks_the_own_backward(monkeypatch):
+    """JAX_DSA_SPARSE_MLA_BWD=jax_dsa: the own kernel in its atomic mode, on the same glue."""
+    monkeypatch.setenv(sparse_mla_cuda.BWD_KERNEL_ENV, "jax_dsa")
+    b, s_q, s_kv, h, d_qk, k = 2, 70, 90, 16, 576, 300
+    _, calls = _lower_cuda_grad(b, s_q, s_kv, h, d_qk, k)
+    (own,) = [c for c in calls if c[0] == sparse_mla_cuda.OWN_BWD_TARGET]
+    assert sparse_mla_cuda.CUDA_BWD_TARGET not in {c[0] for c in calls}
+    _, _, attrs, _, result_types = own
+    ws = sparse_mla_cuda.own_backward_workspace_bytes(b * s_q, b * s_kv, 64, d_qk,
+                                                      sparse_mla_cuda.slot_bucket(k), False)
+    assert f"tensor<{ws}xui8>" in result_types
+    assert "deterministic = false" in attrs
+
+
+@pytest.mark.parametrize("value,det,want", [(None, False, "cudnn"), ("", False, "cudnn"),
+                                            ("auto", False, "cudnn"), ("cudnn", False, "cudnn"),
+                                            ("jax_dsa", False, "jax_dsa"),
+                                            (None, True, "jax_dsa"), ("auto", True, "jax_dsa"),
+                                            ("jax_dsa", True, "jax_dsa")])
+def test_backward_kernel_choice(value, det, want, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(sparse_mla_cuda.BWD_KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(sparse_mla_cuda.BWD_KERNEL_ENV, value)
+    assert sparse_mla_cuda.backward_kernel(det) == want
+
+
+@pytest.mark.parametrize("value,det,match", [("flash", False, "expected one of"),
+                                             ("cudnn", True, "not deterministic")])
+def test_backward_kernel_choice_rejects(value, det, match, monkeypatch):
+    monkeypatch.setenv(sparse_mla_cuda.BWD_KERNEL_ENV, value)
+    with pytest.raises(ValueError, match=f"JAX_DSA_SPARSE_MLA_BWD.*{match}"):
+        sparse_mla_cuda.backward_kernel(det)
+
+
+@needs_cuda
 @pytest.mark.parametrize("s_q,s_kv,h,d,k", [(1, 1, 64, 512, 1), (70, 90, 128, 576, 2048),
                                             (16384, 16384, 64, 576, 2048),
                                             (131072, 131072, 128, 512, 2048)])
@@ -502,12 +538,15 @@ def _grads(c, impl, sm_scale, dtype=None, deterministic=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True], ids=["cudnn", "deterministic"])
+@pytest.mark.parametrize("kernel,deterministic", [("cudnn", False), ("jax_dsa", False),
+                                                  ("auto", True)],
+                         ids=["cudnn", "jax_dsa", "deterministic"])
 @pytest.mark.parametrize("case", BWD_CASES, ids=[c[0] for c in BWD_CASES])
-def test_gpu_backward_matches_float64(case, deterministic):
+def test_gpu_backward_matches_float64(case, kernel, deterministic, monkeypatch):
     """Every gradient finite and within relative L2 1e-2 of float64 (without a sink its
-    gradient at most 1e-2 in absolute value), and zero dq on the empty row. Deterministic (the
-    own kernel): a second run bitwise identical."""
+    gradient at most 1e-2 in absolute value), and zero dq on the empty row, with each backward
+    kernel. Deterministic (the own kernel): a second run bitwise identical."""
+    monkeypatch.setenv(sparse_mla_cuda.BWD_KERNEL_ENV, kernel)
     name, batch, s_q, s_kv, h, d, k, sink, lengths, sm_scale, valid_first = case
     seed = int(np.random.SeedSequence().entropy % 2**32)
     c = _bwd_case(np.random.default_rng(seed), batch, s_q, s_kv, h, d, k, sink, lengths,

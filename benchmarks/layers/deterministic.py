@@ -4,16 +4,19 @@
 
 For each sequence length (one batch row, bfloat16, GLM-5 dims, sparse mode with the indexer KL
 loss, every op on ``"cuda"``; the step of ``benchmarks/layers/dsa_layer.py``): the step's median
-time with the default backward (cuDNN's, float32 atomics) and with ``deterministic=True``
-(jax_dsa's own backward in its deterministic mode, d index_k in fixed point), and how many
-gradient elements differ between two runs of each on the same inputs (0 for the deterministic
-step: bitwise identical). Also ``sparse_mla`` forward+backward alone at K 2048, both ways.
+time with the default backward (cuDNN's, float32 atomics), with jax_dsa's own backward in its
+atomic mode (``JAX_DSA_SPARSE_MLA_BWD=jax_dsa``) and with ``deterministic=True`` (jax_dsa's own
+backward in its deterministic mode, d index_k in fixed point), and how many gradient elements
+differ between two runs of each on the same inputs (0 for the deterministic step: bitwise
+identical). Also ``sparse_mla`` forward+backward alone at K 2048, the three ways.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
 import sys
 
@@ -27,6 +30,24 @@ import numpy as np  # noqa: E402
 
 from jax_dsa import indexer_topk, sparse_mla  # noqa: E402
 from jax_dsa.configs import get_config  # noqa: E402
+from jax_dsa.ops.sparse_mla.cuda import BWD_KERNEL_ENV  # noqa: E402
+
+# (name, deterministic, JAX_DSA_SPARSE_MLA_BWD while tracing)
+MODES = (("default", False, "auto"), ("jax_dsa_atomic", False, "jax_dsa"),
+         ("deterministic", True, "auto"))
+
+
+@contextlib.contextmanager
+def backward_env(value):
+    old = os.environ.get(BWD_KERNEL_ENV)
+    os.environ[BWD_KERNEL_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(BWD_KERNEL_ENV)
+        else:
+            os.environ[BWD_KERNEL_ENV] = old
 
 
 def differing(a, b):
@@ -40,9 +61,10 @@ def differing(a, b):
 
 def layer_rows(c, s, repeats):
     row = {}
-    for name, det in (("default", False), ("deterministic", True)):
-        step, args = make_layer_step(c, s, "cuda", deterministic=det)
-        first, second = step(*args), step(*args)
+    for name, det, env in MODES:
+        with backward_env(env):  # the ops read it when traced: the first call
+            step, args = make_layer_step(c, s, "cuda", deterministic=det)
+            first, second = step(*args), step(*args)
         diff, total = differing(first, second)
         del first, second
         row[name] = {**timed(step, *args, repeats=repeats), "differing_elements": diff,
@@ -58,7 +80,7 @@ def op_rows(c, s, repeats):
         iq, ik, w, topk=c.index_topk, q_positions=pos, kv_positions=pos,
         implementation="cuda"))(iq, ik, w, pos)
     row = {}
-    for name, det in (("default", False), ("deterministic", True)):
+    for name, det, env in MODES:
         @jax.jit
         def attn(q, kv, idx, det=det):
             def f(q, kv):
@@ -66,6 +88,8 @@ def op_rows(c, s, repeats):
                                   implementation="cuda", deterministic=det)
                 return jnp.mean(o.astype(jnp.float32) ** 2)
             return jax.grad(f, argnums=(0, 1))(q, kv)
+        with backward_env(env):
+            attn(q, kv, idx)  # traced here
         row[name] = timed(attn, q, kv, idx, repeats=repeats)
     return row
 

@@ -6,6 +6,8 @@
 //                                        K 2048), both modes
 //   sparse_mla_bwd_selftest --bench-s N  times at S_q = S_kv = N instead (implies --bench-only)
 //   --bench-only                         skip the correctness cases
+//   --variant N                          main kernel: 0 MainKernel (v2a), 1 MainKernelWs (v2b,
+//                                        the default), for the cases and the bench
 // Exit code 0 only when every check passes.
 //
 // Build (from the repository root):
@@ -44,6 +46,7 @@ using bf16 = __nv_bfloat16;
   } while (0)
 
 static const double kInf = std::numeric_limits<double>::infinity();
+static int g_variant = SparseMlaBwdParams().kernel_variant;  // --variant
 
 float B2F(bf16 v) { return __bfloat162float(v); }
 bf16 F2B(float v) { return __float2bfloat16(v); }
@@ -71,6 +74,7 @@ struct Case {
   double empty_frac;   // rows with no valid slot (one dummy slot, lse +inf, dout 0)
   int64_t chunk;       // deterministic chunk (0: auto)
   int64_t unused_tail; // kv rows at the end never selected (their dkv must be exactly 0)
+  double zero_frac = 0;  // rows with topk_length 0 (no slot at all: the main kernel's nblk 0)
 };
 
 struct Stat {
@@ -135,6 +139,7 @@ bool RunOnce(const Case& c, Dev& d, bool det, Outputs& o) {
   p.sm_scale = float(1.0 / std::sqrt(double(c.d)));
   p.deterministic = det;
   p.chunk_queries = c.chunk;
+  p.kernel_variant = g_variant;
   cudaError_t e = LaunchSparseMlaBwd(p, 0);
   if (e != cudaSuccess) { printf("    launch failed: %s\n", cudaGetErrorString(e)); return false; }
   e = cudaDeviceSynchronize();
@@ -171,6 +176,11 @@ bool RunCase(const Case& c, uint64_t seed) {
   const int64_t hi = SKV - c.unused_tail;
   std::uniform_int_distribution<int64_t> pick(0, hi - 1), plen(1, K);
   for (int64_t t = 0; t < SQ; ++t) {
+    if (c.zero_frac > 0 && u01(rng) < c.zero_frac) {  // (no draw otherwise: other cases unchanged)
+      empty[t] = 1;
+      len[t] = 0;
+      continue;
+    }
     if (u01(rng) < c.empty_frac) {
       empty[t] = 1;
       len[t] = 1;
@@ -446,6 +456,7 @@ int Bench(int64_t S) {
     p.topk_length = len; p.dq = dq; p.dkv = dkv; p.d_sink = dsink;
     p.s_q = SQ; p.s_kv = SKV; p.h = H; p.d = D; p.k = K; p.sm_scale = float(1.0 / std::sqrt(double(D)));
     p.deterministic = det;
+    p.kernel_variant = g_variant;
     p.workspace_bytes = SparseMlaBwdWorkspaceBytes(SQ, SKV, H, D, K, det, 0);
     CK(cudaMalloc(&p.workspace, p.workspace_bytes));
     cudaEvent_t e0, e1;
@@ -463,8 +474,8 @@ int Bench(int64_t S) {
     }
     std::sort(ms.begin(), ms.end());
     const double med = ms[ms.size() / 2];
-    printf("  %-13s median %8.3f ms (min %.3f, max %.3f)  %7.1f TFLOP/s  workspace %.2f GB%s\n",
-           det ? "deterministic" : "atomic", med, ms.front(), ms.back(), 2.5 * fwd / (med * 1e-3) / 1e12,
+    printf("  variant %d %-13s median %8.3f ms (min %.3f, max %.3f)  %7.1f TFLOP/s  workspace %.2f GB%s\n",
+           g_variant, det ? "deterministic" : "atomic", med, ms.front(), ms.back(), 2.5 * fwd / (med * 1e-3) / 1e12,
            p.workspace_bytes / 1e9,
            det ? (" chunk " + std::to_string(SparseMlaBwdChunkQueries(SQ, D, K, 0)) + " queries").c_str() : "");
     // A sanity check on the outputs: finite.
@@ -493,11 +504,16 @@ int main(int argc, char** argv) {
     else if (a == "--bench-only") bench = only = true;
     else if (a == "--bench-s" && i + 1 < argc) { bench = only = true; bench_s = atoll(argv[++i]); }
     else if (a == "--case" && i + 1 < argc) filter = argv[++i];
-    else { fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME]\n", argv[0]); return 2; }
+    else if (a == "--variant" && i + 1 < argc) g_variant = atoi(argv[++i]);
+    else {
+      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--variant 0|1]\n", argv[0]);
+      return 2;
+    }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  printf("device: %s (sm_%d%d, %d SMs), main kernel variant %d (%s)\n", prop.name, prop.major, prop.minor,
+         prop.multiProcessorCount, g_variant, g_variant == 0 ? "MainKernel, v2a" : "MainKernelWs, v2b");
   int failed = 0;
   if (!only) {
     // Unsupported shapes are refused, not crashed on.
@@ -517,6 +533,7 @@ int main(int argc, char** argv) {
         {"h64_d576_k100_nosink_dup", 1024, 300, 64, 576, 100, 0, 0.05, 256, 4},
         {"h128_d576_k2048", 640, 8192, 128, 576, 2048, 1, 0.02, 0, 64},
         {"h64_d576_k2048_s2048", 2048, 8192, 64, 576, 2048, 1, 0.01, 512, 64},
+        {"h128_d576_k100_len0", 192, 700, 128, 576, 100, 1, 0.03, 64, 8, 0.1},
     };
     uint64_t seed = 1234;
     for (const auto& c : cases) {

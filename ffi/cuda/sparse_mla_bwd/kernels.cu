@@ -22,7 +22,15 @@
 //                          heads = the MMA's K, WG0's half first), then red.global.add.v4.f32
 //                          into the fp32 accumulator (DET = false) or stored as fp32 partial
 //                          rows (DET = true)
-//                   No pipelining (v1): the gather and the MMAs of a block are serialised.
+//                   The next block's gather is issued once dQ has read the kv block, so it
+//                   runs under this block's dKV MMAs and reductions (which read no kv).
+//   MainKernelWs    (v2b, SparseMlaBwdParams::kernel_variant 1, the default; 0 = MainKernel)
+//                   the same per-block work, warp-specialised: one CTA (3 warpgroups, 384
+//                   threads) per query; a producer WG gathers the kv block (and Q, dO), consumer
+//                   A does S, dP, P, dS and dQ[:, :256], consumer B dQ[:, 256:] (+ rope) and
+//                   all the dKV chunks with their reductions, handing off through mbarriers, so
+//                   B's reductions of block n run under the gather and A's MMAs of block n + 1
+//                   (details above the kernel).
 //   KeysKernel / cub scan / cub radix sort / ReduceKernel   (deterministic mode, per chunk)
 //   ConvertKernel   fp32 accumulator -> bf16 dkv.
 //
@@ -34,9 +42,10 @@
 //   2. cub::DeviceScan::ExclusiveSum(counts) -> offsets[S_kv + 1]: row r's segment.
 //   3. cub::DeviceRadixSort::SortPairs (LSD, stable) on (key, value): since the input is in
 //      ascending p, each row's segment lists its pair ids in ascending (query, slot) order.
-//   4. MainKernel<DET>: the 64-head-summed dKV row of every valid pair is stored (fp32, D floats)
-//      at partial[p]; at H 128 the CTA does head tile 0 then head tile 1, the second adding its
-//      rows into the same partial rows (same thread, same address: partial = tile0 + tile1).
+//   4. MainKernel<DET> / MainKernelWs<DET>: the 64-head-summed dKV row of every valid pair is
+//      stored (fp32, D floats) at partial[p]; at H 128 the CTA does head tile 0 then head tile 1,
+//      the second adding its rows into the same partial rows (same thread, same address:
+//      partial = tile0 + tile1).
 //   5. ReduceKernel: one warp per kv row walks its segment in order, acc = (((0 + x_p0) + x_p1)
 //      + ...), then accum[row] += acc. Chunks run in order on one stream.
 // Every floating-point sum therefore has a fixed order (and the MMAs are deterministic), so the
@@ -49,6 +58,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/sm90_wgmma.h"
 #include "cuda/sparse_mla_bwd/launch.h"
@@ -58,6 +68,14 @@ namespace sparse_mla_bwd {
 namespace {
 
 using bf16 = __nv_bfloat16;
+
+// The deterministic mode's partial dKV rows: fp32, or bf16 (half the bytes streamed through HBM,
+// one more rounding per (query, row) before the fp32 sum) when built with
+// JAX_DSA_BWD_PARTIAL_BF16=1 (an experiment: measured against the float64 oracle before use).
+#ifndef JAX_DSA_BWD_PARTIAL_BF16
+#define JAX_DSA_BWD_PARTIAL_BF16 0
+#endif
+using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 
 constexpr int kThreads = 256;   // two consumer warpgroups
 constexpr int kTile = 64;       // heads per tile, slots per block
@@ -71,6 +89,18 @@ using sm90::CpAsync16Zfill;
 using sm90::CpAsyncCommit;
 using sm90::SmemU32;
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+template <int N>  // all but the N most recent commit groups of this thread have landed
+__device__ __forceinline__ void CpAsyncWaitGroup() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Named barrier `id` over `n` threads (whole warps); id 0 is __syncthreads.
+__device__ __forceinline__ void NamedBarSync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// Warpgroup register budget (every warp of the warpgroup executes the same one).
+template <int N>
+__device__ __forceinline__ void RegAlloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void RegDealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void RedAddV4(float* p, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y),
@@ -92,6 +122,18 @@ __device__ __forceinline__ uint32_t Opaque(uint32_t x) {
 
 __device__ __forceinline__ void StShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// d[32] = A (64 x 16) * B (64 x 16)^T, both from shared memory, scale-d false: d is written,
+// never read ("=f"), so its registers are free until this issue (with "+f" the previous chunk's
+// values would stay live through the epilogue: 32 registers more at the peak).
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void WgMmaSSZero(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "l"(da), "l"(db), "n"(TRANS_A), "n"(TRANS_B));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -165,7 +207,7 @@ struct MainArgs {
   const float* lse2;
   const float* delta;
   float* accum;    // !DET: [s_kv, D] fp32
-  float* partial;  // DET: [chunk * K, D] fp32
+  Partial* partial;  // DET: [chunk * K, D]
   bf16* dq;
   int64_t s_kv, k, t0;
   int h;
@@ -177,7 +219,7 @@ struct MainArgs {
 //   dO tile  [64 heads, 512]  bf16, 8 blocks
 //   KV block [64 slots, D]    bf16, D/64 blocks
 //   P, dS    [64 heads, 64 slots] bf16, one block each
-//   rows[64] int32, lse2[64], delta[64] fp32
+//   rows[2][64] int32 (this block's, the next block's), lse2[64], delta[64] fp32
 template <int D>
 struct MainSmem {
   static constexpr int kQ = 0;
@@ -186,11 +228,75 @@ struct MainSmem {
   static constexpr int kP = kKv + kTile * D * 2;
   static constexpr int kDs = kP + kTile * kTile * 2;
   static constexpr int kRows = kDs + kTile * kTile * 2;
-  static constexpr int kLse = kRows + kTile * 4;
+  static constexpr int kLse = kRows + 2 * kTile * 4;
   static constexpr int kDelta = kLse + kTile * 4;
   static constexpr int kEnd = kDelta + kTile * 4;
   static constexpr int kBytes = kEnd + 1024;  // + the alignment slack
 };
+
+// Shared by both main kernels.
+
+// kv row of slot i of block b of query t: -1 past topk_length or out of [0, s_kv).
+__device__ __forceinline__ int BlockRow(const MainArgs& a, int64_t t, int len, int b, int i) {
+  const int j = b * kTile + i;
+  int r = -1;
+  if (j < len) {
+    r = a.idx[t * a.k + j];
+    if (r < 0 || r >= a.s_kv) r = -1;
+  }
+  return r;
+}
+
+// One thread's 8 float4 of a dKV chunk row (RowQuad order) out to global memory: red.v4 into the
+// fp32 accumulator (dst = its row + column), or DET the partial row (first writer stores, later
+// ones add: same thread, same address, a fixed order).
+template <bool DET>
+__device__ __forceinline__ void DkvStoreV4(const float4 (&v)[8], bool valid, float* acc, Partial* part,
+                                           bool first) {
+  if (!valid) return;
+  if constexpr (DET) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float4 x = v[j];
+      if constexpr (std::is_same_v<Partial, float>) {
+        float4* d4 = reinterpret_cast<float4*>(part + 8 * j);
+        if (!first) {
+          const float4 o = *d4;
+          x = make_float4(o.x + x.x, o.y + x.y, o.z + x.z, o.w + x.w);
+        }
+        *d4 = x;
+      } else {
+        uint2* d2 = reinterpret_cast<uint2*>(part + 8 * j);
+        if (!first) {
+          const uint2 o = *d2;
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.y));
+          x = make_float4(lo.x + x.x, lo.y + x.y, hi.x + x.z, hi.y + x.w);
+        }
+        *d2 = make_uint2(PackBf16(x.x, x.y), PackBf16(x.z, x.w));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) RedAddV4(acc + 8 * j, v[j]);
+  }
+}
+
+// A warpgroup's dQ accumulators (m64n64 layout, 4 column blocks cb0 .. cb0 + 3) -> bf16 dq rows
+// dst[head * D + column] of the 64-head tile.
+template <int D>
+__device__ __forceinline__ void StoreDq(bf16* dst, const float (&dq)[4][32], int cb0, int wi, int g, int q4) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int hh = 16 * wi + g + 8 * hr, col = 64 * (cb0 + n) + 8 * j + 2 * q4;
+        *reinterpret_cast<uint32_t*>(dst + int64_t(hh) * D + col) =
+            PackBf16(dq[n][4 * j + 2 * hr], dq[n][4 * j + 2 * hr + 1]);
+      }
+}
 
 template <int D, bool DET>
 __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
@@ -247,30 +353,35 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
 #pragma unroll
     for (int i = 0; i < (ROPE ? 16 : 1); ++i) dqr[i] = 0.f;
 
-    for (int b = 0; b < nblk; ++b) {
-      const uint32_t s_base = Opaque(s_base0);
-      const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
-      const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
-      if (tid < kTile) {
-        const int j = b * kTile + tid;
-        int r = -1;
-        if (j < len) {
-          r = a.idx[t * kk + j];
-          if (r < 0 || r >= a.s_kv) r = -1;
-        }
-        rows[tid] = r;
-      }
-      __syncthreads();  // rows published (and the previous block's reads are done: loop end)
+    // Block 0's rows and gather; later blocks' are issued under the previous block's dKV.
+    auto block_row = [&](int b) { return BlockRow(a, t, len, b, tid); };
+    auto gather = [&](const int* blk_rows) {
+      const uint32_t sKv = s_base0 + L::kKv;
       for (int p = tid; p < kTile * CH; p += kThreads) {
         const int r = p / CH, c = p % CH;
-        const int row = rows[r];
+        const int row = blk_rows[r];
         CpAsync16Zfill(sKv + WgChunk(r, c, kTile), a.kv + int64_t(row < 0 ? 0 : row) * D + c * 8,
                        row >= 0);
       }
       CpAsyncCommit();
+    };
+    if (nblk > 0) {
+      if (tid < kTile) rows[tid] = block_row(0);
+      __syncthreads();
+      gather(rows);
+    }
+
+    for (int b = 0; b < nblk; ++b) {
+      const uint32_t s_base = Opaque(s_base0);
+      const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
+      const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
+      const int* cur = rows + (b & 1) * kTile;
+      int* nxt = rows + ((b + 1) & 1) * kTile;
+      const int next_row = (b + 1 < nblk && tid < kTile) ? block_row(b + 1) : -1;  // load early
       CpAsyncWaitAll();
       FenceProxyAsync();
-      __syncthreads();  // Q, dO (first block), the kv block, lse and delta visible
+      __syncthreads();  // Q, dO (first block), this kv block, lse and delta visible; the
+                        // previous block's reads of P, dS and its rows are done
 
       // S and dP for slots 32 wg .. 32 wg + 31.
       float sacc[16], pacc[16];
@@ -306,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
           float pv[2], dv[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const bool ok = rows[s + e] >= 0;
+            const bool ok = cur[s + e] >= 0;
             const float p = ok ? exp2f(fmaf(sacc[4 * j + 2 * hr + e], sl2, -l2)) : 0.f;
             pv[e] = p;
             dv[e] = ok ? a.scale * p * (pacc[4 * j + 2 * hr + e] - dl) : 0.f;
@@ -339,6 +450,15 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
           WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + wg * 4096 + ks * 32), 1);
       }
       WgCommit();
+      WgWait<0>();  // dQ has read the kv block
+#pragma unroll
+      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
+      if constexpr (ROPE) WgFenceOperand(dqr);
+      if (b + 1 < nblk) {
+        if (tid < kTile) nxt[tid] = next_row;
+        __syncthreads();  // both warpgroups' dQ reads of the kv block done; nxt published
+        gather(nxt);
+      }
 
       // dKV chunks [64 slots, 64 columns] = dS^T Q_c + P^T dO_c (A and B both MN-major): WG w
       // chunks 4w .. 4w + 3. D 576, the rope chunk (no dO part) split over the heads (the MMA's
@@ -373,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
         // that each lane holds 4 consecutive columns of one row: even lanes row r0, odd r0 + 8.
         const bool even = (q4 & 1) == 0;
         const int slot = 16 * wi + g + (even ? 0 : 8);
-        const int row = rows[slot];
+        const int row = cur[slot];
         float4 v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = RowQuad(acc, j, even);
@@ -381,36 +501,16 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
         if constexpr (DET) {
           // The partial row of pair (t - t0) K + j: written by head tile 0 (WG0's rope half
           // first), added to by every later writer in a fixed order.
-          float4* dst = reinterpret_cast<float4*>(a.partial + ((t - a.t0) * kk + b * kTile + slot) * D + col0);
+          Partial* dst = a.partial + ((t - a.t0) * kk + b * kTile + slot) * D + col0;
           for (int phase = 0; phase < (rope ? 2 : 1); ++phase) {
             if (rope) __syncthreads();  // phase 1: WG0's rope half is in global memory
             const bool mine = !rope || phase == wg;
-            if (mine && row >= 0) {
-              const bool first = ht == 0 && (!rope || wg == 0);
-#pragma unroll
-              for (int j = 0; j < 8; ++j) {
-                if (first) {
-                  dst[2 * j] = v[j];
-                } else {
-                  const float4 o = dst[2 * j];
-                  dst[2 * j] = make_float4(o.x + v[j].x, o.y + v[j].y, o.z + v[j].z, o.w + v[j].w);
-                }
-              }
-            }
+            DkvStoreV4<true>(v, mine && row >= 0, nullptr, dst, ht == 0 && (!rope || wg == 0));
           }
         } else {
-          if (row >= 0) {
-            float* dst = a.accum + int64_t(row) * D + col0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) RedAddV4(dst + 8 * j, v[j]);
-          }
+          DkvStoreV4<false>(v, row >= 0, a.accum + int64_t(row < 0 ? 0 : row) * D + col0, nullptr, false);
         }
       }
-      WgWait<0>();  // dQ (already complete: the chunks' waits covered it)
-#pragma unroll
-      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
-      if constexpr (ROPE) WgFenceOperand(dqr);
-      __syncthreads();  // every read of the kv block, P, dS and rows is done
     }
 
     CpAsyncWaitAll();  // (no block: the Q / dO copies are still to be waited for)
@@ -418,16 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
     // dq[t, 64 ht + head, :] from the registers.
     {
       bf16* dst = a.dq + (t * a.h + ht * kTile) * D;
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int hh = 16 * wi + g + 8 * hr, col = 64 * (4 * wg + n) + 8 * j + 2 * q4;
-            *reinterpret_cast<uint32_t*>(dst + int64_t(hh) * D + col) =
-                PackBf16(dq[n][4 * j + 2 * hr], dq[n][4 * j + 2 * hr + 1]);
-          }
+      StoreDq<D>(dst, dq, 4 * wg, wi, g, q4);
       if constexpr (ROPE) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -439,6 +530,357 @@ __global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
               dst[int64_t(hh) * D + col] = __float2bfloat16(dqr[4 * j + 2 * hr + e]);
             }
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The warp-specialised main kernel (v2b): the same math, operand layouts and outputs as
+// MainKernel, three warpgroups with their own instruction streams so that the dKV reductions of
+// block n no longer stall the gather and the S/dP MMAs of block n + 1.
+//   WG0 "A"  (224 regs): S = Q K^T, dP = dO V^T (m64n64, all 64 slots), P and dS -> shared
+//            memory, dQ[:, 0:256] += dS K (128 fp32 a thread). lse2 / delta from global memory.
+//   WG1 "B"  (256 regs): dQ[:, 256:512] += dS K, D 576: dQr^T = K_rope^T dS^T for all 64 heads
+//            (32 fp32); then the dKV chunks (dS^T Q_c + P^T dO_c; the rope chunk dS^T Q_8),
+//            chunk c + 1's wgmma issued before chunk c's red.v4 / partial-row epilogue.
+//   WG2 producer (24 regs): row ids into rows[n & 1], the kv gather (cp.async, zero-filled
+//            invalid rows), Q and dO once a head tile.
+// Registers: B holds 7 accumulator blocks (dq 4, dqr, 2 dKV = 224) + ~28 scalars; A dq 4 + S +
+// dP (192) + ~28; the first MMA of S, dP and each dKV chunk is scale-d 0 with "=f" outputs so
+// the previous values are not live across it (with "+f": 32-64 more, spills, and ptxas then
+// serialises every wgmma of the kernel, C7512).
+// Single kv stage (no shared memory for a second): the producer refills it once A and B have
+// both finished reading it (their dQ), so A's S/dP of block n + 1 overlaps B's dKV of block n.
+// Blocks are counted over the head tiles, n = ht * nblk + b: each mbarrier below completes one
+// phase a block (Q ones: a head tile), so a wait for phase n uses parity n & 1.
+//   kv_full   (128: producer) kv block n and rows[n & 1] landed        A, B wait
+//   kv_empty  (256: A + B)    both dQs of block n read the kv block      producer waits
+//   pds_full  (128: A)        P, dS of block n stored                    B waits
+//   pds_empty (128: B)        dKV of block n read P, dS (and Q, dO)      A waits before storing
+//   q_full    (128: producer) Q, dO of head tile ht landed               A, B wait
+//   q_empty   (256: A + B)    head tile ht's last reads of Q, dO         producer waits
+// No phase can run two ahead of a waiter (each refill needs the waiter's own earlier arrival),
+// so one parity bit is enough. nblk == 0 uses no barrier at all (dq = 0, uniform over the CTA).
+
+constexpr int kWsThreads = 384;
+constexpr int kRegA = 224, kRegB = 256, kRegP = 24;  // 128 x (224 + 256 + 24) = 168 x 384
+static_assert(128 * (kRegA + kRegB + kRegP) <= 65536 / kWsThreads / 8 * 8 * kWsThreads,
+              "setmaxnreg budget above the launch allocation");
+
+template <int D>
+struct WsSmem {
+  enum { kKvFull, kKvEmpty, kPdsFull, kPdsEmpty, kQFull, kQEmpty, kNumBars };
+  static constexpr int kBar = MainSmem<D>::kEnd;  // after MainSmem's regions (8-byte aligned)
+  static constexpr int kEnd = kBar + 8 * kNumBars;
+  static constexpr int kBytes = kEnd + 1024;  // + the alignment slack
+};
+
+template <int D, bool DET>
+__global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) {
+  using namespace sm90;
+  constexpr int NB = D / 64;       // 64-column blocks of a kv row = dKV chunks (9 or 8)
+  constexpr bool ROPE = D == 576;  // a 9th column block past d_v
+  using L = MainSmem<D>;
+  using W = WsSmem<D>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
+  const uint32_t s_base0 = SmemU32(base);
+  int* rows = reinterpret_cast<int*>(base + L::kRows);  // (MainSmem's lse / delta: unused here)
+  const uint32_t kv_full = s_base0 + W::kBar + 8 * W::kKvFull, kv_empty = s_base0 + W::kBar + 8 * W::kKvEmpty;
+  const uint32_t pds_full = s_base0 + W::kBar + 8 * W::kPdsFull, pds_empty = s_base0 + W::kBar + 8 * W::kPdsEmpty;
+  const uint32_t q_full = s_base0 + W::kBar + 8 * W::kQFull, q_empty = s_base0 + W::kBar + 8 * W::kQEmpty;
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5;
+  const int lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int64_t t = a.t0 + blockIdx.x;
+  int len = a.len[t];
+  len = len < 0 ? 0 : (len > a.k ? int(a.k) : len);
+  const int nblk = (len + kTile - 1) / kTile;
+  const int n_ht = a.h / kTile;
+
+  if (nblk == 0) {  // no valid slot: dq = 0 (every thread returns here; no barrier is used)
+    uint4* dst = reinterpret_cast<uint4*>(a.dq + t * a.h * D);
+    for (int i = tid; i < a.h * D / 8; i += kWsThreads) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  if (tid == 0) {
+    MbarInit(kv_full, 128);
+    MbarInit(kv_empty, 256);
+    MbarInit(pds_full, 128);
+    MbarInit(pds_empty, 128);
+    MbarInit(q_full, 128);
+    MbarInit(q_empty, 256);
+  }
+  __syncthreads();  // the only CTA-wide barrier: the roles never meet at one again
+
+  if (wg == 2) {
+    // ---- Producer. Warp wi copies rows wi, wi + 4, ..; lane = 16-byte chunks lane + 32 m (one
+    // row's 512 contiguous bytes a warp instruction): chunk c's offset WgChunk(r, c, 64) is
+    // ChunkOff(r, lane) + m * 4 * 8192 (c >> 3 = (lane >> 3) + 4 m, c & 7 = lane & 7).
+    RegDealloc<kRegP>();
+    auto ChunkOff = [](int r, int ln) { return uint32_t((ln >> 3) * 8192 + r * 128 + (((ln ^ r) & 7) << 4)); };
+    const uint32_t sQ = s_base0 + L::kQ, sDo = s_base0 + L::kDo, sKv = s_base0 + L::kKv;
+    for (int ht = 0; ht < n_ht; ++ht) {
+      for (int b = 0; b < nblk; ++b) {
+        const int n = ht * nblk + b;
+        const int row = wtid < kTile ? BlockRow(a, t, len, b, wtid) : -1;  // loaded early
+        if (n > 0) MbarWait(kv_empty, (n - 1) & 1);  // A and B are done with block n - 1's kv
+        int* rw = rows + (n & 1) * kTile;  // (block n - 2's: B read it before kv_empty(n - 1))
+        if (wtid < kTile) rw[wtid] = row;
+        NamedBarSync(1, 128);  // rw complete for the whole producer
+#pragma unroll 1
+        for (int r = wi; r < kTile; r += 4) {
+          const int kr = rw[r];
+          const bf16* src = a.kv + int64_t(kr < 0 ? 0 : kr) * D + lane * 8;
+          const uint32_t dst = sKv + ChunkOff(r, lane);
+#pragma unroll
+          for (int m = 0; m < NB / 4; ++m) CpAsync16Zfill(dst + m * 4 * 8192, src + m * 256, kr >= 0);
+          if (ROPE && lane < 8) CpAsync16Zfill(dst + 8 * 8192, src + 512, kr >= 0);
+        }
+        CpAsyncCommit();
+        if (b == 0) {  // the head tile's Q, dO (after the tile's first gather is issued)
+          if (ht > 0) MbarWait(q_empty, (ht - 1) & 1);
+          const int64_t head0 = t * a.h + ht * kTile;
+#pragma unroll 1
+          for (int r = wi; r < kTile; r += 4) {
+            const bf16* qs = a.q + (head0 + r) * D + lane * 8;
+            const bf16* ds = a.dout + (head0 + r) * kDv + lane * 8;
+            const uint32_t off = ChunkOff(r, lane);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              CpAsync16(sQ + off + m * 4 * 8192, qs + m * 256);
+              CpAsync16(sDo + off + m * 4 * 8192, ds + m * 256);
+            }
+            if (ROPE && lane < 8) CpAsync16(sQ + off + 8 * 8192, qs + 512);
+          }
+          CpAsyncCommit();
+          CpAsyncWaitGroup<1>();  // the kv group
+          FenceProxyAsync();
+          MbarArrive(kv_full);
+          CpAsyncWaitGroup<0>();
+          FenceProxyAsync();
+          MbarArrive(q_full);
+        } else {
+          CpAsyncWaitGroup<0>();
+          FenceProxyAsync();  // generic-proxy (cp.async) writes before the wgmma reads
+          MbarArrive(kv_full);
+        }
+      }
+    }
+    return;
+  }
+
+  const float scale = a.scale;
+  if (wg == 0) {
+    // ---- Consumer A: S, dP, P, dS, dQ[:, 0:256].
+    RegAlloc<kRegA>();
+    const float sl2 = scale * kLog2e;
+    float dq[4][32];
+    for (int ht = 0; ht < n_ht; ++ht) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dq[n][i] = 0.f;
+      // lse2, delta of this thread's heads 16 wi + g (+ 8), straight from global memory.
+      float l2[2], dl[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int64_t row = t * a.h + ht * kTile + 16 * wi + g + 8 * hr;
+        l2[hr] = a.lse2[row];
+        dl[hr] = a.delta[row];
+      }
+      MbarWait(q_full, ht & 1);
+      for (int b = 0; b < nblk; ++b) {
+        const int n = ht * nblk + b;
+        MbarWait(kv_full, n & 1);
+        const uint32_t s_base = Opaque(s_base0);
+        const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
+        const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
+        float sacc[32], pacc[32];  // [head 16 wi + g (+8)][slot 8 j + 2 q4 (+1)]
+        // (The first MMA of each overwrites: last block's values are dead, their registers free.)
+        WgFence();
+        WgMmaSSZero<0, 0>(sacc, WgDesc(sQ), WgDesc(sKv));
+#pragma unroll
+        for (int ks = 1; ks < 4; ++ks) WgMmaSS<0, 0>(sacc, WgDesc(sQ + ks * 32), WgDesc(sKv + ks * 32), 1);
+#pragma unroll 1
+        for (int kb = 1; kb < NB; ++kb)
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<0, 0>(sacc, WgDesc(sQ + kb * 8192 + ks * 32), WgDesc(sKv + kb * 8192 + ks * 32), 1);
+        WgCommit();
+        WgMmaSSZero<0, 0>(pacc, WgDesc(sDo), WgDesc(sKv));
+#pragma unroll
+        for (int ks = 1; ks < 4; ++ks) WgMmaSS<0, 0>(pacc, WgDesc(sDo + ks * 32), WgDesc(sKv + ks * 32), 1);
+#pragma unroll 1
+        for (int kb = 1; kb < kDv / 64; ++kb)
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<0, 0>(pacc, WgDesc(sDo + kb * 8192 + ks * 32), WgDesc(sKv + kb * 8192 + ks * 32), 1);
+        WgCommit();
+        // Valid slots of this thread's columns: bit 2 j + e for slot 8 j + 2 q4 + e.
+        const int* cur = rows + (n & 1) * kTile;
+        uint32_t vm = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int2 r2 = *reinterpret_cast<const int2*>(cur + 8 * j + 2 * q4);
+          vm |= (uint32_t(r2.x >= 0) << (2 * j)) | (uint32_t(r2.y >= 0) << (2 * j + 1));
+        }
+        WgWait<1>();  // S (dP still running)
+        WgFenceOperand(sacc);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = 4 * j + 2 * hr + e;
+              sacc[i] = (vm >> (2 * j + e)) & 1 ? exp2f(fmaf(sacc[i], sl2, -l2[hr])) : 0.f;
+            }
+        WgWait<0>();  // (ptxas places both waits before the exp2s anyway: ~0.1 us a block)
+        WgFenceOperand(pacc);
+        if (b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads are done
+        uint32_t pk[16], dk[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int i = 4 * j + 2 * hr;
+            float d2[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              d2[e] = (vm >> (2 * j + e)) & 1 ? scale * sacc[i + e] * (pacc[i + e] - dl[hr]) : 0.f;
+            pk[2 * j + hr] = PackBf16(sacc[i], sacc[i + 1]);
+            dk[2 * j + hr] = PackBf16(d2[0], d2[1]);
+          }
+        if (n > 0) MbarWait(pds_empty, (n - 1) & 1);  // B's dKV of block n - 1 read P, dS
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int hh = 16 * wi + g + 8 * hr;
+            const uint32_t off = hh * 128 + ((j ^ (hh & 7)) << 4) + 4 * q4;
+            StShared32(sP + off, pk[2 * j + hr]);
+            StShared32(sDs + off, dk[2 * j + hr]);
+          }
+        FenceProxyAsync();
+        MbarArrive(pds_full);
+        NamedBarSync(2, 128);  // all of A's dS stored before A's own wgmma reads it
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
+        WgFence();
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<0, 1>(dq[nn], WgDesc(sDs + ks * 32), WgDescMN(sKv + nn * 8192 + ks * 2048, 8192), 1);
+        WgCommit();
+        WgWait<0>();
+#pragma unroll
+        for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
+        MbarArrive(kv_empty);
+      }
+      StoreDq<D>(a.dq + (t * a.h + ht * kTile) * D, dq, 0, wi, g, q4);
+    }
+    return;
+  }
+
+  // ---- Consumer B: dQ[:, 256:512] (+ the rope columns), the dKV chunks and their reductions.
+  RegAlloc<kRegB>();
+  float dq[4][32];
+  float dqr[ROPE ? 32 : 1];  // dQ^T [rope column 16 wi + g (+8)][head 8 j + 2 q4 (+1)]
+  float acc0[32], acc1[32];  // dKV chunks, double-buffered
+  // dKV rows: RowQuad gives even lanes slot r0, odd lanes r0 + 8, 4 consecutive columns.
+  const bool even = (q4 & 1) == 0;
+  const int slot = 16 * wi + g + (even ? 0 : 8);
+  const int colq = 2 * (q4 & ~1);
+  for (int ht = 0; ht < n_ht; ++ht) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[n][i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (ROPE ? 32 : 1); ++i) dqr[i] = 0.f;
+    MbarWait(q_full, ht & 1);
+    for (int b = 0; b < nblk; ++b) {
+      const int n = ht * nblk + b;
+      MbarWait(kv_full, n & 1);  // (implied by pds_full; waited for the kv proxy fence's sake)
+      MbarWait(pds_full, n & 1);
+      const uint32_t s_base = Opaque(s_base0);
+      const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
+      const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
+      const int row = rows[(n & 1) * kTile + slot];
+      float* adst = nullptr;  // (one of the two, by DET)
+      Partial* pdst = nullptr;
+      if constexpr (DET) pdst = a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + colq;
+      else adst = a.accum + int64_t(row < 0 ? 0 : row) * D + colq;
+      // Chunk c: [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c below d_v), A and B MN-major.
+      auto issue = [&](float (&acc)[32], int c) {
+        WgFence();
+        WgMmaSSZero<1, 1>(acc, WgDescMN(sDs, 8192), WgDescMN(sQ + c * 8192, 8192));
+#pragma unroll
+        for (int ks = 1; ks < 4; ++ks)
+          WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
+        if (c < kDv / 64) {
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
+        }
+        WgCommit();
+      };
+
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
+      if constexpr (ROPE) WgFenceOperand(dqr);
+      WgFence();
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<0, 1>(dq[nn], WgDesc(sDs + ks * 32), WgDescMN(sKv + (4 + nn) * 8192 + ks * 2048, 8192), 1);
+      if constexpr (ROPE) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + ks * 32), 1);
+      }
+      WgCommit();
+      issue(acc0, 0);
+      WgWait<1>();  // dQ done: B's reads of the kv block are over
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
+      if constexpr (ROPE) WgFenceOperand(dqr);
+      MbarArrive(kv_empty);
+
+#pragma unroll
+      for (int c = 0; c < NB; ++c) {
+        float(&cur)[32] = (c & 1) ? acc1 : acc0;
+        float(&nxt)[32] = (c & 1) ? acc0 : acc1;
+        if (c + 1 < NB) {
+          issue(nxt, c + 1);
+          WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
+        } else {
+          WgWait<0>();
+        }
+        WgFenceOperand(cur);
+        float4 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, even);
+        DkvStoreV4<DET>(v, row >= 0, DET ? nullptr : adst + 64 * c, DET ? pdst + 64 * c : nullptr, ht == 0);
+      }
+      MbarArrive(pds_empty);  // every dKV wgmma (P, dS, Q, dO reads) has completed
+      if (b == nblk - 1) MbarArrive(q_empty);
+    }
+    bf16* dqt = a.dq + (t * a.h + ht * kTile) * D;
+    StoreDq<D>(dqt, dq, 4, wi, g, q4);
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = kDv + 16 * wi + g + 8 * hr, hh = 8 * j + 2 * q4 + e;
+            dqt[int64_t(hh) * D + col] = __float2bfloat16(dqr[4 * j + 2 * hr + e]);
+          }
     }
   }
 }
@@ -466,7 +908,7 @@ __global__ void KeysKernel(const int32_t* __restrict__ idx, const int32_t* __res
 // to the accumulator.
 template <int D>
 __global__ void ReduceKernel(const uint32_t* __restrict__ off, const uint32_t* __restrict__ pids,
-                             const float4* __restrict__ partial, float4* __restrict__ accum, int64_t s_kv) {
+                             const Partial* __restrict__ partial, float4* __restrict__ accum, int64_t s_kv) {
   constexpr int V = D / 4, NV = (V + 31) / 32;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -481,12 +923,20 @@ __global__ void ReduceKernel(const uint32_t* __restrict__ off, const uint32_t* _
     const uint32_t mine = lane < n ? pids[b0 + lane] : 0u;
     for (int i = 0; i < n; ++i) {
       const uint32_t pid = __shfl_sync(0xffffffffu, mine, i);
-      const float4* src = partial + int64_t(pid) * V;
+      const Partial* src = partial + int64_t(pid) * D;
 #pragma unroll
       for (int v = 0; v < NV; ++v) {
         const int c = lane + 32 * v;
         if (c < V) {
-          const float4 x = __ldcs(src + c);
+          float4 x;
+          if constexpr (std::is_same_v<Partial, float>) {
+            x = __ldcs(reinterpret_cast<const float4*>(src) + c);
+          } else {
+            const uint2 u = __ldcs(reinterpret_cast<const uint2*>(src) + c);
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+            x = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
           acc[v].x += x.x;
           acc[v].y += x.y;
           acc[v].z += x.z;
@@ -562,7 +1012,7 @@ cudaError_t MakeLayout(int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t 
     L.chunk = SparseMlaBwdChunkQueries(s_q, d, k, chunk_queries);
     const int64_t n = L.chunk * k;
     if (n > INT32_MAX || s_kv + 1 > INT32_MAX) return cudaErrorInvalidValue;
-    L.partial = take(size_t(n) * size_t(d) * 4);
+    L.partial = take(size_t(n) * size_t(d) * sizeof(Partial));
     L.keys0 = take(size_t(n) * 4);
     L.keys1 = take(size_t(n) * 4);
     L.vals0 = take(size_t(n) * 4);
@@ -574,6 +1024,28 @@ cudaError_t MakeLayout(int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t 
   }
   L.total = o;
   return cudaSuccess;
+}
+
+// The main kernel of the chosen variant (kernel_variant: 0 MainKernel, 1 MainKernelWs).
+template <int D, bool DET>
+cudaError_t SetMainSmem(int variant) {
+  if (variant == 0)
+    return cudaFuncSetAttribute(MainKernel<D, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, MainSmem<D>::kBytes);
+  // setmaxnreg.inc waits for registers that the producer's .dec released into the CTA's pool:
+  // with fewer than 168 a thread at launch the consumers would hang, so refuse instead.
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, MainKernelWs<D, DET>);
+  if (e != cudaSuccess) return e;
+  if (fa.numRegs * kWsThreads < 128 * (kRegA + kRegB + kRegP)) return cudaErrorLaunchOutOfResources;
+  return cudaFuncSetAttribute(MainKernelWs<D, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, WsSmem<D>::kBytes);
+}
+template <int D, bool DET>
+cudaError_t LaunchMain(int variant, unsigned grid, const MainArgs& a, cudaStream_t stream) {
+  if (variant == 0)
+    MainKernel<D, DET><<<grid, kThreads, MainSmem<D>::kBytes, stream>>>(a);
+  else
+    MainKernelWs<D, DET><<<grid, kWsThreads, WsSmem<D>::kBytes, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <int D>
@@ -611,17 +1083,14 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
   a.t0 = 0;
   a.h = h;
   a.scale = p.sm_scale;
-  const int smem = MainSmem<D>::kBytes;
+  const int variant = p.kernel_variant;
 
   if (!p.deterministic) {
-    if ((e = cudaFuncSetAttribute(MainKernel<D, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
-      return e;
-    MainKernel<D, false><<<unsigned(p.s_q), kThreads, smem, stream>>>(a);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if ((e = SetMainSmem<D, false>(variant)) != cudaSuccess) return e;
+    if ((e = LaunchMain<D, false>(variant, unsigned(p.s_q), a, stream)) != cudaSuccess) return e;
   } else {
-    if ((e = cudaFuncSetAttribute(MainKernel<D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
-      return e;
-    a.partial = reinterpret_cast<float*>(ws + L.partial);
+    if ((e = SetMainSmem<D, true>(variant)) != cudaSuccess) return e;
+    a.partial = reinterpret_cast<Partial*>(ws + L.partial);
     uint32_t* keys0 = reinterpret_cast<uint32_t*>(ws + L.keys0);
     uint32_t* keys1 = reinterpret_cast<uint32_t*>(ws + L.keys1);
     uint32_t* vals0 = reinterpret_cast<uint32_t*>(ws + L.vals0);
@@ -652,10 +1121,9 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
       if ((e = cub::DeviceRadixSort::SortPairs(temp, tb, kb, vb, int(n), 0, bits, stream)) != cudaSuccess)
         return e;
       a.t0 = t0;
-      MainKernel<D, true><<<unsigned(nq), kThreads, smem, stream>>>(a);
-      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+      if ((e = LaunchMain<D, true>(variant, unsigned(nq), a, stream)) != cudaSuccess) return e;
       ReduceKernel<D><<<unsigned((p.s_kv + 7) / 8), 256, 0, stream>>>(
-          offsets, vb.Current(), reinterpret_cast<const float4*>(a.partial),
+          offsets, vb.Current(), a.partial,
           reinterpret_cast<float4*>(accum), p.s_kv);
       if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
@@ -672,8 +1140,8 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
 int64_t SparseMlaBwdChunkQueries(int64_t s_q, int64_t d, int64_t k, int64_t chunk_queries) {
   int64_t c = chunk_queries;
   if (c <= 0) {
-    const int64_t budget = int64_t(1) << 31;  // bytes of fp32 partial rows a chunk
-    c = budget / (k * d * 4);
+    const int64_t budget = int64_t(1) << 31;  // bytes of partial rows a chunk
+    c = budget / (k * d * int64_t(sizeof(Partial)));
   }
   if (c > INT32_MAX / k) c = INT32_MAX / k;  // pair ids are 32-bit
   if (c > s_q) c = s_q;
@@ -691,6 +1159,7 @@ size_t SparseMlaBwdWorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t 
 cudaError_t LaunchSparseMlaBwd(const SparseMlaBwdParams& p, cudaStream_t stream) {
   if (!Supported(p.h, p.d) || p.s_q < 1 || p.s_kv < 1 || p.k < 1) return cudaErrorInvalidValue;
   if (p.s_q > INT32_MAX || p.s_kv >= INT32_MAX || p.s_q * p.k > (int64_t(1) << 40)) return cudaErrorInvalidValue;
+  if (p.kernel_variant != 0 && p.kernel_variant != 1) return cudaErrorInvalidValue;
   if (!p.q || !p.kv || !p.out || !p.dout || !p.lse || !p.attn_sink || !p.indices || !p.topk_length ||
       !p.dq || !p.dkv || !p.d_sink || !p.workspace)
     return cudaErrorInvalidValue;

@@ -49,6 +49,9 @@ struct SparseMlaBwdParams {
   // Deterministic mode: queries per chunk (0: automatic, so that the chunk's fp32 partial rows
   // take at most 2 GiB). Must be the value given to SparseMlaBwdWorkspaceBytes.
   int64_t chunk_queries = 0;
+  // Main kernel: 0 = MainKernel (v2a: two warpgroups in lockstep), 1 = MainKernelWs (v2b:
+  // producer + two consumer warpgroups). Same outputs; anything else is cudaErrorInvalidValue.
+  int kernel_variant = 1;
 };
 
 // The chunk the deterministic mode uses for these sizes (chunk_queries 0: automatic).

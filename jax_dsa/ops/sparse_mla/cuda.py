@@ -1,6 +1,10 @@
 """The ``"cuda"`` implementation of ``sparse_mla``: jax_dsa's own SM90 forward (FlashMLA v2's
-sparse-prefill contract) and the cuDNN frontend's SM90 DSA backward, both compiled ahead of time
-into the ``_cuda`` FFI module (``ffi/cuda``).
+sparse-prefill contract) and two SM90 backwards, the cuDNN frontend's DSA backward and jax_dsa's
+own (``ffi/cuda/sparse_mla_bwd``), all compiled ahead of time into the ``_cuda`` FFI module.
+
+Which backward runs: ``deterministic=True`` always takes jax_dsa's (the only deterministic one);
+otherwise the environment variable ``JAX_DSA_SPARSE_MLA_BWD`` (read when the op is traced):
+``"auto"`` (the default: cuDNN's), ``"cudnn"`` or ``"jax_dsa"``.
 
 Shapes follow :func:`jax_dsa.sparse_mla` after it folds the batch dims into one:
 ``q [B, S_q, H, D_qk]``, ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` int32,
@@ -8,6 +12,8 @@ Shapes follow :func:`jax_dsa.sparse_mla` after it folds the batch dims into one:
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +25,9 @@ from jax_dsa.ops.sparse_mla.config import Call, Config
 
 
 CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
-OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward (deterministic mode)
+OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward
+BWD_KERNEL_ENV = "JAX_DSA_SPARSE_MLA_BWD"
+BWD_KERNELS = ("auto", "cudnn", "jax_dsa")
 COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's stable partition
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
 # -1 to the smallest slot bucket >= K (past the last, the wide variant takes K as it is);
@@ -196,6 +204,24 @@ def own_backward_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int, k: int,
     return total
 
 
+def backward_kernel(deterministic: bool) -> str:
+    """``"cudnn"`` or ``"jax_dsa"``: the backward a call runs (module docstring).
+
+    Raises:
+      ValueError: ``JAX_DSA_SPARSE_MLA_BWD`` is not one of ``BWD_KERNELS``, or is ``"cudnn"``
+        while ``deterministic`` (cuDNN's backward sums dKV with atomics).
+    """
+    choice = os.environ.get(BWD_KERNEL_ENV, "auto") or "auto"
+    if choice not in BWD_KERNELS:
+        raise ValueError(f"{BWD_KERNEL_ENV}={choice!r}: expected one of {BWD_KERNELS}")
+    if deterministic:
+        if choice == "cudnn":
+            raise ValueError(f"{BWD_KERNEL_ENV}=cudnn with deterministic=True: cuDNN's backward "
+                             "is not deterministic; unset it or use 'jax_dsa'")
+        return "jax_dsa"
+    return "cudnn" if choice == "auto" else choice
+
+
 def cuda_slot_rows(indices, topk_length, s_kv):
     """``[B, S_q, K]`` indices -> (global rows of the valid slots in place, -1 elsewhere; per-row
     valid count >= 1; rows that had no valid slot). An empty row gets one slot, row 0 of its
@@ -236,8 +262,8 @@ def cuda_index_glue(indices, topk_length, s_kv, k_out=None):
 
 def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_scale, d_v,
                   deterministic=False):
-    """GPU backward through the AOT cuDNN kernels (``deterministic``: jax_dsa's own kernel in
-    its deterministic mode): ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
+    """GPU backward through the AOT kernels (:func:`backward_kernel` picks cuDNN's or jax_dsa's):
+    ``dq``, ``dkv``, ``d_attn_sink [H]`` float32.
 
     Glue around the kernel's contract: batch folded into tokens (indices offset by
     ``b * S_kv``); slots out of range or past ``topk_length`` set to -1 and the valid ones moved
@@ -278,11 +304,12 @@ def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale,
     ``rows [T, Kb]`` int32 (kv rows, the valid ones first and -1 after; ``Kb`` a slot bucket)
     and ``length [T]`` (each row's valid count, >= 1). Returns ``(dq [T, Hp, D_qk] bf16, dkv [R,
     D_qk] bf16, d_sink [Hp] float32)``. ``deterministic``: jax_dsa's own kernel, which sums
-    dkv in a fixed order (bitwise reproducible); else the cuDNN frontend's (fp32 atomics)."""
+    dkv in a fixed order (bitwise reproducible); else :func:`backward_kernel`'s choice (both
+    sum dkv with fp32 atomics)."""
     t, hp, d_qk = q.shape
-    if deterministic:
-        ws = own_backward_workspace_bytes(t, kv.shape[0], hp, d_qk, rows.shape[1], True)
-        target, attrs = OWN_BWD_TARGET, {"deterministic": True}
+    if backward_kernel(deterministic) == "jax_dsa":
+        ws = own_backward_workspace_bytes(t, kv.shape[0], hp, d_qk, rows.shape[1], deterministic)
+        target, attrs = OWN_BWD_TARGET, {"deterministic": bool(deterministic)}
     else:
         ws = cuda_workspace_bytes(t, kv.shape[0], hp, d_qk)
         target, attrs = CUDA_BWD_TARGET, {}
