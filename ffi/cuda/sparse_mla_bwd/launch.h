@@ -50,7 +50,8 @@ struct SparseMlaBwdParams {
   // take at most 2 GiB). Must be the value given to SparseMlaBwdWorkspaceBytes.
   int64_t chunk_queries = 0;
   // Main kernel: 0 = MainKernel (v2a: two warpgroups in lockstep), 1 = MainKernelWs (v2b:
-  // producer + two consumer warpgroups). Same outputs; anything else is cudaErrorInvalidValue.
+  // producer + two consumer warpgroups); anything else is cudaErrorInvalidValue. Same math;
+  // deterministic results repeat per variant (they sum the rope dKV columns in other orders).
   int kernel_variant = 1;
 };
 
