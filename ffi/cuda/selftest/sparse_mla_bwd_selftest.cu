@@ -6,8 +6,8 @@
 //                                        K 2048), both modes
 //   sparse_mla_bwd_selftest --bench-s N  times at S_q = S_kv = N instead (implies --bench-only)
 //   --bench-only                         skip the correctness cases
-//   --variant N                          main kernel: 0 MainKernel (v2a), 1 MainKernelWs (v2b,
-//                                        the default), for the cases and the bench
+//   --variant N                          main kernel: 0 MainKernel (v2a, the default), 1
+//                                        MainKernelWs (v2b), for the cases and the bench
 // Exit code 0 only when every check passes.
 //
 // Build (from the repository root):

@@ -24,7 +24,7 @@
 //                          rows (DET = true)
 //                   The next block's gather is issued once dQ has read the kv block, so it
 //                   runs under this block's dKV MMAs and reductions (which read no kv).
-//   MainKernelWs    (v2b, SparseMlaBwdParams::kernel_variant 1, the default; 0 = MainKernel)
+//   MainKernelWs    (v2b, SparseMlaBwdParams::kernel_variant 1; 0 = MainKernel, the default)
 //                   the same per-block work, warp-specialised: one CTA (3 warpgroups, 384
 //                   threads) per query; a producer WG gathers the kv block (and Q, dO), consumer
 //                   A does S, dP, P, dS and dQ[:, :256], consumer B dQ[:, 256:] (+ rope) and

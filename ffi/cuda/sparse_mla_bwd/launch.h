@@ -52,7 +52,8 @@ struct SparseMlaBwdParams {
   // Main kernel: 0 = MainKernel (v2a: two warpgroups in lockstep), 1 = MainKernelWs (v2b:
   // producer + two consumer warpgroups); anything else is cudaErrorInvalidValue. Same math;
   // deterministic results repeat per variant (they sum the rope dKV columns in other orders).
-  int kernel_variant = 1;
+  // 0 until 1 has run on a GPU (benchmarks/notes/sparse_mla_bwd.md, v2b).
+  int kernel_variant = 0;
 };
 
 // The chunk the deterministic mode uses for these sizes (chunk_queries 0: automatic).
