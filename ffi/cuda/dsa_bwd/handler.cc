@@ -105,26 +105,10 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
 }  // namespace
 }  // namespace jax_dsa
 
-#define JAX_DSA_BWD_BINDING                                          \
-  ffi::Ffi::Bind()                                                   \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                      \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* q */                     \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>()  /* kv */                    \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* out */                   \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>()  /* dout */                  \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()   /* lse */                   \
-      .Arg<ffi::Buffer<ffi::F32, 1>>()   /* attn_sink */             \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()   /* indices */               \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()   /* topk_length */           \
-      .Ret<ffi::Buffer<ffi::BF16, 3>>()  /* dq */                    \
-      .Ret<ffi::Buffer<ffi::BF16, 2>>()  /* dkv */                   \
-      .Ret<ffi::Buffer<ffi::F32, 1>>()   /* d_attn_sink */           \
-      .Ret<ffi::Buffer<ffi::U8, 1>>()    /* workspace */             \
-      .Attr<float>("sm_scale")
-
 // Execute is capture-safe (async memsets and kernel launches on XLA's stream, no allocation,
 // no synchronisation; modules are loaded in INITIALIZE), so it may join CUDA graphs.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCuda, jax_dsa::Backward, JAX_DSA_BWD_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCuda, jax_dsa::Backward,
+                              JAX_DSA_SPARSE_MLA_BWD_CONTRACT_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaDsaBwdCudaInit, jax_dsa::Initialize,
                               ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()

@@ -4,6 +4,8 @@
 // indices [S_q, K], topk_length [S_q]; results dq, dkv, d_attn_sink shaped like q, kv, attn_sink.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
 
@@ -36,3 +38,23 @@ std::string BackwardShapeError(const Q& q, const KV& kv, const O& out, const O& 
 }
 
 }  // namespace jax_dsa
+
+// The contract's FFI binding (operands, results, sm_scale), in the order above; a handler adds
+// its own attributes after it. (A macro: the template arguments' commas would split
+// XLA_FFI_DEFINE_HANDLER_SYMBOL's.)
+#define JAX_DSA_SPARSE_MLA_BWD_CONTRACT_BINDING                        \
+  ::xla::ffi::Ffi::Bind()                                              \
+      .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()                 \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16, 3>>() /* q */          \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16, 2>>() /* kv */         \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16, 3>>() /* out */        \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::BF16, 3>>() /* dout */       \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32, 2>>()  /* lse */        \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()  /* attn_sink */  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32, 2>>()  /* indices */    \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32, 1>>()  /* topk_length */\
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16, 3>>() /* dq */         \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::BF16, 2>>() /* dkv */        \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()  /* d_attn_sink */\
+      .Ret<::xla::ffi::Buffer<::xla::ffi::U8, 1>>()   /* workspace */  \
+      .Attr<float>("sm_scale")

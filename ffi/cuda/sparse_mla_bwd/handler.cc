@@ -74,24 +74,6 @@ ffi::Error Backward(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffe
 }  // namespace sparse_mla_bwd
 }  // namespace jax_dsa
 
-// (A macro: the template arguments' commas would split XLA_FFI_DEFINE_HANDLER_SYMBOL's.)
-#define JAX_DSA_SPARSE_MLA_BWD_BINDING                      \
-  ffi::Ffi::Bind()                                          \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()             \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* q */             \
-      .Arg<ffi::Buffer<ffi::BF16, 2>>() /* kv */            \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* out */           \
-      .Arg<ffi::Buffer<ffi::BF16, 3>>() /* dout */          \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()  /* lse */           \
-      .Arg<ffi::Buffer<ffi::F32, 1>>()  /* attn_sink */     \
-      .Arg<ffi::Buffer<ffi::S32, 2>>()  /* indices */       \
-      .Arg<ffi::Buffer<ffi::S32, 1>>()  /* topk_length */   \
-      .Ret<ffi::Buffer<ffi::BF16, 3>>() /* dq */            \
-      .Ret<ffi::Buffer<ffi::BF16, 2>>() /* dkv */           \
-      .Ret<ffi::Buffer<ffi::F32, 1>>()  /* d_attn_sink */   \
-      .Ret<ffi::Buffer<ffi::U8, 1>>()   /* workspace */     \
-      .Attr<float>("sm_scale")                              \
-      .Attr<bool>("deterministic")
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdCuda, jax_dsa::sparse_mla_bwd::Backward,
-                              JAX_DSA_SPARSE_MLA_BWD_BINDING, {ffi::Traits::kCmdBufferCompatible});
+                              JAX_DSA_SPARSE_MLA_BWD_CONTRACT_BINDING.Attr<bool>("deterministic"),
+                              {ffi::Traits::kCmdBufferCompatible});
