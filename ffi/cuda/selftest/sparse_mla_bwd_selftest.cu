@@ -8,6 +8,8 @@
 //   --bench-only                         skip the correctness cases
 //   --variant N                          main kernel: 0 MainKernel (v2a, the default), 1
 //                                        MainKernelWs (v2b), for the cases and the bench
+//   --chunk N                            the bench's deterministic chunk of N queries (default:
+//                                        the automatic one)
 // Exit code 0 only when every check passes.
 //
 // Build (from the repository root):
@@ -47,6 +49,7 @@ using bf16 = __nv_bfloat16;
 
 static const double kInf = std::numeric_limits<double>::infinity();
 static int g_variant = SparseMlaBwdParams().kernel_variant;  // --variant
+static int64_t g_chunk = 0;                                  // --chunk (bench)
 
 float B2F(bf16 v) { return __bfloat162float(v); }
 bf16 F2B(float v) { return __float2bfloat16(v); }
@@ -457,7 +460,8 @@ int Bench(int64_t S) {
     p.s_q = SQ; p.s_kv = SKV; p.h = H; p.d = D; p.k = K; p.sm_scale = float(1.0 / std::sqrt(double(D)));
     p.deterministic = det;
     p.kernel_variant = g_variant;
-    p.workspace_bytes = SparseMlaBwdWorkspaceBytes(SQ, SKV, H, D, K, det, 0);
+    p.chunk_queries = g_chunk;
+    p.workspace_bytes = SparseMlaBwdWorkspaceBytes(SQ, SKV, H, D, K, det, g_chunk);
     CK(cudaMalloc(&p.workspace, p.workspace_bytes));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
@@ -477,7 +481,7 @@ int Bench(int64_t S) {
     printf("  variant %d %-13s median %8.3f ms (min %.3f, max %.3f)  %7.1f TFLOP/s  workspace %.2f GB%s\n",
            g_variant, det ? "deterministic" : "atomic", med, ms.front(), ms.back(), 2.5 * fwd / (med * 1e-3) / 1e12,
            p.workspace_bytes / 1e9,
-           det ? (" chunk " + std::to_string(SparseMlaBwdChunkQueries(SQ, D, K, 0)) + " queries").c_str() : "");
+           det ? (" chunk " + std::to_string(SparseMlaBwdChunkQueries(SQ, D, K, g_chunk)) + " queries").c_str() : "");
     // A sanity check on the outputs: finite.
     std::vector<float> ds(H);
     CK(cudaMemcpy(ds.data(), dsink, H * 4, cudaMemcpyDeviceToHost));
@@ -505,8 +509,10 @@ int main(int argc, char** argv) {
     else if (a == "--bench-s" && i + 1 < argc) { bench = only = true; bench_s = atoll(argv[++i]); }
     else if (a == "--case" && i + 1 < argc) filter = argv[++i];
     else if (a == "--variant" && i + 1 < argc) g_variant = atoi(argv[++i]);
+    else if (a == "--chunk" && i + 1 < argc) g_chunk = atoll(argv[++i]);
     else {
-      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--variant 0|1]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--variant 0|1] [--chunk N]\n",
+              argv[0]);
       return 2;
     }
   }
