@@ -158,7 +158,7 @@ def make_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, k, sm_scale, segments=True, bl
     return x
 
 
-def loss_fn(op, sm_scale, impl, dense=False):
+def loss_fn(op, sm_scale, impl, dense=False, deterministic=None):
     """jit(value_and_grad) of the loss in (index_q, index_k, index_weights), taking the input
     dict (every tensor an argument: one compile per shape); ``dense``: the dense form."""
 
@@ -166,7 +166,7 @@ def loss_fn(op, sm_scale, impl, dense=False):
         return op(iq, ik, iw, x["q"], x["kv"], x["lse"], sm_scale=sm_scale,
                   q_positions=x["q_pos"], kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"],
                   kv_segment_ids=x["kv_seg"], indices=None if dense else x["idx"],
-                  implementation=impl)
+                  implementation=impl, deterministic=deterministic)
 
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return lambda x: f(x["iq"], x["ik"], x["iw"], x)
@@ -179,8 +179,8 @@ def assert_same(got_l, got_g, want_l, want_g, tol):
         assert rel_l2(a, b) < tol, name
 
 
-def loss_and_grads(op, x, sm_scale, impl, dense=False):
-    return loss_fn(op, sm_scale, impl, dense)(x)
+def loss_and_grads(op, x, sm_scale, impl, dense=False, deterministic=None):
+    return loss_fn(op, sm_scale, impl, dense, deterministic)(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_dense_glue_lowers_to_chunked_kernels(cuda_op, monkeypatch):
 # CUDA lowering (no GPU needed)
 
 
-def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k):
+def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k, deterministic=None):
     f32, bf, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sds = jax.ShapeDtypeStruct
     iq, ik, iw = sds((nb, s_q, h_i, 128), bf), sds((nb, s_kv, 128), bf), sds((nb, s_q, h_i), f32)
@@ -316,7 +316,7 @@ def _lower_cuda_grad(op, nb, s_q, s_kv, h, d_qk, h_i, k):
     def loss(iq, ik, iw, q, kv, lse, qp, kp, idx):
         return op(iq, ik, iw, q, kv, lse, sm_scale=0.07, q_positions=qp, kv_positions=kp,
                   q_segment_ids=qp // 64, kv_segment_ids=kp // 64, indices=idx,
-                  implementation="cuda")
+                  implementation="cuda", deterministic=deterministic)
 
     text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
             .trace(iq, ik, iw, q, kv, lse, qp, kp, idx).lower(lowering_platforms=("cuda",))
@@ -355,6 +355,19 @@ def test_grad_lowers_to_the_kernels(cuda_op, h, d_qk, h_i, k):
     assert "gather" not in text
     assert not re.search(rf"tensor<\d+x\d+x{k}x\d+x(bf16|f32)>", text)
     assert not re.search(rf"tensor<\d+x{k}x(128|{d_qk})x(bf16|f32)>", text)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_calls_the_fixed_point_backward(cuda_op, deterministic):
+    """deterministic=True: V3.2's deterministic backward target (d index_k in 64-bit fixed
+    point, a scale operand and a workspace); False: the float32-atomic target."""
+    nb, s_q, s_kv = 1, 40, 50
+    _, calls = _lower_cuda_grad(cuda_op, nb, s_q, s_kv, 64, 512, 64, 64, deterministic)
+    targets = {c[0] for c in calls}
+    assert (kl_loss_cuda.BWD_DET_TARGET in targets) == deterministic, targets
+    assert (kl_loss_cuda.BWD_TARGET in targets) != deterministic, targets
+    (bwd,) = [c for c in calls if c[0] in (kl_loss_cuda.BWD_DET_TARGET, kl_loss_cuda.BWD_TARGET)]
+    assert ("ui8" in bwd[4]) == deterministic, bwd[4]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,3 +430,26 @@ def test_gpu_dense_matches_float64_oracle(gpu_op, segments):
     loss, grads = loss_and_grads(gpu_op, x_op, sm_scale, "cuda", dense=True)
     assert_near_oracle(f"v4 dense kl cuda segments={segments}", loss, grads,
                        oracle.v4_kl_loss(x, sm_scale, block=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense", [False, True])
+def test_gpu_deterministic_grads_repeat_bitwise(gpu_op, dense):
+    """deterministic=True at V4-Flash dims: two runs give bitwise identical gradients, as near
+    the float64 oracle as the default's, and the default's within float32 rounding."""
+    sm_scale = 512 ** -0.5
+    if dense:
+        x = make_inputs(np.random.default_rng(41), 1, 600, 2500, 64, 512, 64, 1, sm_scale,
+                        True, block=64, dense=True)
+        ref = oracle.v4_kl_loss(x, sm_scale, block=64)
+        x = dict(x, idx=None)
+    else:
+        x = make_inputs(np.random.default_rng(43), 2, 256, 320, 64, 512, 64, 512, sm_scale, True)
+        ref = oracle.v4_kl_loss(x, sm_scale)
+    run = loss_fn(gpu_op, sm_scale, "cuda", dense, deterministic=True)
+    (loss, first), (_, second) = run(x), run(x)
+    for name, a, b in zip(("d_iq", "d_ik", "d_w"), first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert_near_oracle(f"v4 kl cuda deterministic dense={dense}", loss, first, ref)
+    _, default = loss_and_grads(gpu_op, x, sm_scale, "cuda", dense)
+    assert rel_l2(first[1], default[1]) <= 1e-3  # the same sums, another rounding
