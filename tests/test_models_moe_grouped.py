@@ -114,6 +114,39 @@ def test_mix_matches_float64_oracle_and_ragged_dot(limit):
     assert np.abs(np.asarray(g_new[2])[:5]).max() > 0
 
 
+def test_out_of_range_expert_ids_are_invalid_slots():
+    """An expert index below 0 or at least E adds nothing and is not counted in the load,
+    whatever its integer type; the valid slots' outputs and gradients are unchanged."""
+    rng = np.random.default_rng(3)
+    t, k, e, i, h = 6, 2, 4, 5, 8
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    idx, w = _routing(rng, t, k, e, used=e)
+    bad = np.array(idx)
+    bad[0, 0], bad[2, 1], bad[4, 0] = -1, e, -7
+    keep = (bad >= 0) & (bad < e)
+    ws = _weights(rng, e, i, h)
+    w_valid = jnp.where(jnp.asarray(keep), w, 0.0)  # an invalid slot is a slot of weight 0
+    for dtype in (jnp.int32, jnp.int64, jnp.uint32):
+        ids = jnp.asarray(bad.astype(np.dtype(dtype)) if dtype != jnp.uint32
+                          else bad.astype(np.int64).astype(np.uint32))
+        mix = jax.jit(lambda x, w, *ws, ids=ids: experts_mod._mix(x, w, ids, *ws, n_experts=e))
+        y, load = mix(x, w, *ws)
+        np.testing.assert_allclose(np.asarray(y), _np_mix(x, w_valid, idx, *ws),
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(load, np.bincount(bad[keep], minlength=e))
+        g = jax.grad(lambda x, ids=ids: jnp.sum(experts_mod._mix(x, w, ids, *ws,
+                                                                  n_experts=e)[0]))(x)
+        g_ref = jax.grad(lambda x: jnp.sum(experts_mod._mix(x, w_valid, idx, *ws,
+                                                             n_experts=e)[0]))(x)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_block_checks_the_routing_fields_without_mlp_layer_types():
+    c = dataclasses.replace(GLM, mlp_layer_types=None, num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 exceeds"):
+        MoE(c, rngs=nnx.Rngs(0))
+
+
 def test_mix_bfloat16_matches_ragged_dot():
     rng = np.random.default_rng(1)
     t, k, e, i, h = 16, 2, 4, 8, 16

@@ -117,6 +117,23 @@ def test_dtype_errors():
                        np.array([2.0, 2.0]))
 
 
+@pytest.mark.parametrize("which,value", [("lhs", "x"), ("rhs", None), ("group_sizes", None),
+                                         ("group_sizes", ["a", "b"])])
+def test_non_arrays_are_named(which, value):
+    args = dict(lhs=np.ones((4, 4), np.float32), rhs=np.ones((2, 4, 3), np.float32),
+                group_sizes=np.array([2, 2]))
+    args[which] = value
+    with pytest.raises(TypeError, match=f"{which} must be a numeric array"):
+        grouped_matmul(**args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.complex64, "foo"])
+def test_preferred_element_type_must_be_a_float_dtype(dtype):
+    with pytest.raises(TypeError, match="preferred_element_type must be a float dtype"):
+        grouped_matmul(np.ones((4, 4), np.float32), np.ones((2, 4, 3), np.float32),
+                       np.array([2, 2]), preferred_element_type=dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # "cuda" (SM90): the same contract at small shapes and at GLM-5's expert dims
 

@@ -136,6 +136,13 @@ def test_restrict_keeps_the_names_the_op_has(monkeypatch):
         reg.candidates(reg.restrict(impl))
 
 
+
+@pytest.mark.parametrize("bad", [5, "", [], ("a", 3), ("a", "")])
+def test_restrict_refuses_what_is_no_name_or_sequence_of_names(bad):
+    with pytest.raises(ValueError, match="implementation must be None, a name or a non-empty"):
+        toy_registry().restrict(bad)
+
+
 def test_registry_construction_is_checked():
     with pytest.raises(ValueError, match="share a name"):
         Registry("toy_op", (toy("a"), toy("a")), {"default": ("a",)})

@@ -81,7 +81,9 @@ class Experts(nnx.Module):
     def __call__(self, x, topk_weights, topk_indices, *, implementation=None,
                  return_load=False, return_overflow=False, token_shape=None):
         """``x [T, hidden]``, ``topk_weights``/``topk_indices [T, k]`` -> ``[T, hidden]`` (compute
-        dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``.
+        dtype): ``sum_j topk_weights[t, j] * expert_{topk_indices[t, j]}(x[t])``. An index
+        outside ``[0, n_routed_experts)``, negative included, is an invalid slot: it adds
+        nothing and is not counted in the load.
 
         ``implementation``: the grouped matmuls' (:func:`jax_dsa.ops.grouped_matmul`): a name, a
         sequence of names or ``None``; names it does not register are skipped, and with none
@@ -287,8 +289,11 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def _sort_pairs(keys, n_groups):
-    """``keys [N]`` int (group ids in ``[0, n_groups)``) -> ``(order, inverse, group_sizes)``:
-    the stable sort that groups rows by key, its inverse, and the rows per group (int32)."""
+    """``keys [N]`` int (group ids) -> ``(order, inverse, group_sizes)``: the stable sort that
+    groups rows by key, its inverse, and the rows per group (int32). A key outside
+    ``[0, n_groups)`` (negative included) is in no group: its rows sort after every group's and
+    are not counted, so the grouped matmuls give them zero."""
+    keys = jnp.where((keys >= 0) & (keys < n_groups), keys, n_groups)
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
     inverse = jnp.argsort(order).astype(jnp.int32)  # each row's place in the sorted order
     return order, inverse, jnp.bincount(keys, length=n_groups).astype(jnp.int32)

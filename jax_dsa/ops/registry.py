@@ -130,10 +130,19 @@ class Registry:
         """What this op runs for a layer's ``implementation``: the names it registers, in order,
         then its own preference order for the platform (so a call the named implementation does
         not support, e.g. the V4 KL loss's dense form on ``"cuda"``, falls back); ``None`` (its
-        default order) when it has none of them."""
+        default order) when it has none of them.
+
+        Raises:
+          ValueError: ``implementation`` is not None, a name or a non-empty sequence of names.
+        """
         if implementation is None:
             return None
-        names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+        names = (implementation,) if isinstance(implementation, str) else implementation
+        if (not isinstance(names, Sequence) or not names
+                or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"{self.op}: implementation must be None, a name or a non-empty "
+                            f"sequence of names, got {implementation!r}")
+        names = tuple(names)
         known = tuple(n for n in names if n in self._impls)
         if not known:
             return None

@@ -172,6 +172,17 @@ class DSAConfig:
             )
         if "sparse" not in types:
             return
+        self.check_routed_experts()
+
+    def check_routed_experts(self):
+        """The routed-expert fields a MoE block needs (checked at construction when
+        ``mlp_layer_types`` has a ``"sparse"`` layer, and by :class:`~jax_dsa.models.glm.moe.MoE`).
+
+        Raises:
+          ValueError: a non-positive size or count, experts that do not split into ``n_group``
+            groups of at least 2, ``topk_group > n_group``, more experts per token than the
+            ``topk_group`` groups hold, or a ``scoring_func`` other than ``"sigmoid"``.
+        """
         for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
                      "topk_group"):
             value = getattr(self, name)

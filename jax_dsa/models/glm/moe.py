@@ -105,6 +105,7 @@ class MoE(nnx.Module):
         self, config: DSAConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
         c = config
+        c.check_routed_experts()
         if c.n_shared_experts < 1:
             raise ValueError(
                 f"MoE: n_shared_experts must be >= 1 (the block always has a shared expert, as in "

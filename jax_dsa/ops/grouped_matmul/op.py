@@ -56,22 +56,50 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False, implementation
     Gradients (``jax.custom_vjp``): ``lhs`` and ``rhs``; ``group_sizes`` takes none.
 
     Raises:
-      TypeError: non-float or mismatched ``lhs``/``rhs``, non-integer ``group_sizes``.
+      TypeError: non-float or mismatched ``lhs``/``rhs``, non-integer ``group_sizes``, an
+        argument that is no array, a ``preferred_element_type`` that is no float dtype.
       ValueError: wrong ranks or shapes (named by argument), an unknown implementation or one
         that does not support the call (its reason given).
       NotImplementedError: the requested implementations are not built in this install.
     """
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), int32_slots(group_sizes)
+    lhs, rhs = _array("lhs", lhs, jnp.asarray), _array("rhs", rhs, jnp.asarray)
+    group_sizes = _array("group_sizes", group_sizes, int32_slots)
     REGISTRY.candidates(implementation)  # an unknown name fails before the shape checks
     if not isinstance(transpose_rhs, bool):
         raise TypeError(f"grouped_matmul: transpose_rhs must be a Python bool, got {transpose_rhs!r}")
     _check(lhs, rhs, group_sizes, transpose_rhs)
     m, k = lhs.shape
     g, n = rhs.shape[0], rhs.shape[1 if transpose_rhs else 2]
-    out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+    out_dtype = _out_dtype(lhs.dtype, preferred_element_type)
     impl = REGISTRY.choose(implementation, Call(jnp.dtype(lhs.dtype), m, k, n, g, out_dtype))
     config = Config(impl, out_dtype, transpose_rhs)
     return _grouped_matmul(lhs, rhs, clamp_group_sizes(group_sizes, m), config)
+
+
+def _array(name, x, convert):
+    """``convert(x)``, or a TypeError naming the argument where ``x`` is no numeric array."""
+    try:
+        a = convert(x)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"grouped_matmul: {name} must be a numeric array, got "
+                        f"{type(x).__name__}") from None
+    if not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_):
+        raise TypeError(f"grouped_matmul: {name} must be a numeric array, got dtype {a.dtype}")
+    return a
+
+
+def _out_dtype(lhs_dtype, preferred_element_type):
+    """The result dtype: ``lhs``'s, or ``preferred_element_type`` (a float dtype)."""
+    if preferred_element_type is None:
+        return jnp.dtype(lhs_dtype)
+    try:
+        dtype = jnp.dtype(preferred_element_type)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"grouped_matmul: preferred_element_type must be a float dtype or None, "
+                        f"got {preferred_element_type!r}")
+    return dtype
 
 
 def clamp_group_sizes(group_sizes, m):
