@@ -6,8 +6,6 @@
 //                                        K 2048), both modes
 //   sparse_mla_bwd_selftest --bench-s N  times at S_q = S_kv = N instead (implies --bench-only)
 //   --bench-only                         skip the correctness cases
-//   --variant N                          main kernel: 0 MainKernel (v2a, the default), 1
-//                                        MainKernelWs (v2b), for the cases and the bench
 //   --chunk N                            the bench's deterministic chunk of N queries (default:
 //                                        the automatic one)
 // Exit code 0 only when every check passes.
@@ -48,8 +46,7 @@ using bf16 = __nv_bfloat16;
   } while (0)
 
 static const double kInf = std::numeric_limits<double>::infinity();
-static int g_variant = SparseMlaBwdParams().kernel_variant;  // --variant
-static int64_t g_chunk = 0;                                  // --chunk (bench)
+static int64_t g_chunk = 0;  // --chunk (bench)
 
 float B2F(bf16 v) { return __bfloat162float(v); }
 bf16 F2B(float v) { return __float2bfloat16(v); }
@@ -142,7 +139,6 @@ bool RunOnce(const Case& c, Dev& d, bool det, Outputs& o) {
   p.sm_scale = float(1.0 / std::sqrt(double(c.d)));
   p.deterministic = det;
   p.chunk_queries = c.chunk;
-  p.kernel_variant = g_variant;
   cudaError_t e = LaunchSparseMlaBwd(p, 0);
   if (e != cudaSuccess) { printf("    launch failed: %s\n", cudaGetErrorString(e)); return false; }
   e = cudaDeviceSynchronize();
@@ -459,8 +455,7 @@ int Bench(int64_t S) {
     p.topk_length = len; p.dq = dq; p.dkv = dkv; p.d_sink = dsink;
     p.s_q = SQ; p.s_kv = SKV; p.h = H; p.d = D; p.k = K; p.sm_scale = float(1.0 / std::sqrt(double(D)));
     p.deterministic = det;
-    p.kernel_variant = g_variant;
-    p.chunk_queries = g_chunk;
+      p.chunk_queries = g_chunk;
     p.workspace_bytes = SparseMlaBwdWorkspaceBytes(SQ, SKV, H, D, K, det, g_chunk);
     CK(cudaMalloc(&p.workspace, p.workspace_bytes));
     cudaEvent_t e0, e1;
@@ -478,8 +473,8 @@ int Bench(int64_t S) {
     }
     std::sort(ms.begin(), ms.end());
     const double med = ms[ms.size() / 2];
-    printf("  variant %d %-13s median %8.3f ms (min %.3f, max %.3f)  %7.1f TFLOP/s  workspace %.2f GB%s\n",
-           g_variant, det ? "deterministic" : "atomic", med, ms.front(), ms.back(), 2.5 * fwd / (med * 1e-3) / 1e12,
+    printf("  %-13s median %8.3f ms (min %.3f, max %.3f)  %7.1f TFLOP/s  workspace %.2f GB%s\n",
+           det ? "deterministic" : "atomic", med, ms.front(), ms.back(), 2.5 * fwd / (med * 1e-3) / 1e12,
            p.workspace_bytes / 1e9,
            det ? (" chunk " + std::to_string(SparseMlaBwdChunkQueries(SQ, D, K, g_chunk)) + " queries").c_str() : "");
     // A sanity check on the outputs: finite.
@@ -508,18 +503,16 @@ int main(int argc, char** argv) {
     else if (a == "--bench-only") bench = only = true;
     else if (a == "--bench-s" && i + 1 < argc) { bench = only = true; bench_s = atoll(argv[++i]); }
     else if (a == "--case" && i + 1 < argc) filter = argv[++i];
-    else if (a == "--variant" && i + 1 < argc) g_variant = atoi(argv[++i]);
     else if (a == "--chunk" && i + 1 < argc) g_chunk = atoll(argv[++i]);
     else {
-      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--variant 0|1] [--chunk N]\n",
+      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--chunk N]\n",
               argv[0]);
       return 2;
     }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s (sm_%d%d, %d SMs), main kernel variant %d (%s)\n", prop.name, prop.major, prop.minor,
-         prop.multiProcessorCount, g_variant, g_variant == 0 ? "MainKernel, v2a" : "MainKernelWs, v2b");
+  printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   int failed = 0;
   if (!only) {
     // Unsupported shapes are refused, not crashed on.

@@ -7,30 +7,20 @@
 //                   d_attn_sink term dsp = -p_sink * delta (0 without a sink or for an empty row).
 //   DsinkKernel     one CTA per head: d_attn_sink[h] = sum over queries of dsp, in a fixed order
 //                   (strided per-thread sums, then a fixed tree): deterministic in both modes.
-//   MainKernel      one CTA (2 warpgroups, 256 threads) per query; for each 64-head tile (one for
-//                   H 64, two one after the other for H 128) and each 64-slot block:
-//                     gather the block's kv rows (cp.async 16 B, zero rows for invalid slots)
-//                     S  = Q K^T    [64 heads x 64 slots]  WG w: slots 32w..32w+31 (m64n32k16)
-//                     dP = dO V^T   [64 x 64]              same split
-//                     P  = exp2(S * scale * log2e - lse2), dS = scale * P * (dP - delta), both
-//                          masked to the valid slots, stored to shared memory as bf16
-//                     dQ += dS K    [64 heads x 512]      registers, WG w column blocks
-//                          4w..4w+3 (128 floats a thread); D 576: the rope columns as
-//                          dQr^T = K_rope^T dS^T [64 x 32 heads] a WG (16 floats)
-//                     dKV = dS^T Q + P^T dO  [64 slots x 64 columns] per column chunk (WG w
-//                          chunks 4w..4w+3; D 576: the rope chunk, no dO part, split over the
-//                          heads = the MMA's K, WG0's half first), then red.global.add.v4.f32
-//                          into the fp32 accumulator (DET = false) or stored as fp32 partial
-//                          rows (DET = true)
-//                   The next block's gather is issued once dQ has read the kv block, so it
-//                   runs under this block's dKV MMAs and reductions (which read no kv).
-//   MainKernelWs    (v2b, SparseMlaBwdParams::kernel_variant 1; 0 = MainKernel, the default)
-//                   the same per-block work, warp-specialised: one CTA (3 warpgroups, 384
-//                   threads) per query; a producer WG gathers the kv block (and Q, dO), consumer
-//                   A does S, dP, P, dS and dQ[:, :256], consumer B dQ[:, 256:] (+ rope) and
-//                   all the dKV chunks with their reductions, handing off through mbarriers, so
-//                   B's reductions of block n run under the gather and A's MMAs of block n + 1
-//                   (details above the kernel).
+//   MainKernelWs    one CTA (3 warpgroups, 384 threads) per query; for each 64-head tile (one
+//                   for H 64, two one after the other for H 128) and each 64-slot block:
+//                     a producer WG gathers the block's kv rows (cp.async 16 B, zero rows for
+//                     invalid slots; Q and dO once a head tile)
+//                     consumer A: S = Q K^T and dP = dO V^T [64 heads x 64 slots] (m64n64),
+//                          P = exp2(S * scale * log2e - lse2), dS = scale * P * (dP - delta),
+//                          both masked to the valid slots, to shared memory as bf16;
+//                          dQ[:, :256] += dS K in registers
+//                     consumer B: dQ[:, 256:512] += dS K (D 576: + the rope columns as
+//                          dQr^T = K_rope^T dS^T), then dKV = dS^T Q + P^T dO [64 slots x 64
+//                          columns] per column chunk, red.global.add.v4.f32 into the fp32
+//                          accumulator (DET = false) or stored as partial rows (DET = true)
+//                   handing off through mbarriers, so that B's reductions of block n run under
+//                   the gather and A's MMAs of block n + 1 (details above the kernel).
 //   KeysKernel / cub scan / cub radix sort / ReduceKernel   (deterministic mode, per chunk)
 //   ConvertKernel   fp32 accumulator -> bf16 dkv.
 //
@@ -42,7 +32,7 @@
 //   2. cub::DeviceScan::ExclusiveSum(counts) -> offsets[S_kv + 1]: row r's segment.
 //   3. cub::DeviceRadixSort::SortPairs (LSD, stable) on (key, value): since the input is in
 //      ascending p, each row's segment lists its pair ids in ascending (query, slot) order.
-//   4. MainKernel<DET> / MainKernelWs<DET>: the 64-head-summed dKV row of every valid pair is
+//   4. MainKernelWs<DET>: the 64-head-summed dKV row of every valid pair is
 //      stored (fp32, D floats) at partial[p]; at H 128 the CTA does head tile 0 then head tile 1,
 //      the second adding its rows into the same partial rows (same thread, same address:
 //      partial = tile0 + tile1).
@@ -77,7 +67,6 @@ using bf16 = __nv_bfloat16;
 #endif
 using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 
-constexpr int kThreads = 256;   // two consumer warpgroups
 constexpr int kTile = 64;       // heads per tile, slots per block
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -88,7 +77,6 @@ using sm90::CpAsync16;
 using sm90::CpAsync16Zfill;
 using sm90::CpAsyncCommit;
 using sm90::SmemU32;
-__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 template <int N>  // all but the N most recent commit groups of this thread have landed
 __device__ __forceinline__ void CpAsyncWaitGroup() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
@@ -231,7 +219,6 @@ struct MainSmem {
   static constexpr int kLse = kRows + 2 * kTile * 4;
   static constexpr int kDelta = kLse + kTile * 4;
   static constexpr int kEnd = kDelta + kTile * 4;
-  static constexpr int kBytes = kEnd + 1024;  // + the alignment slack
 };
 
 // Shared by both main kernels.
@@ -298,246 +285,10 @@ __device__ __forceinline__ void StoreDq(bf16* dst, const float (&dq)[4][32], int
       }
 }
 
-template <int D, bool DET>
-__global__ void __launch_bounds__(kThreads, 1) MainKernel(const MainArgs a) {
-  using namespace sm90;
-  constexpr int NB = D / 64;  // 64-column blocks of a kv row (9 or 8)
-  constexpr bool ROPE = D == 576;  // a 9th column block past d_v
-  constexpr int CH = D / 8;    // 16-byte chunks of a row
-  using L = MainSmem<D>;
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* base = smem_raw + ((1024 - (SmemU32(smem_raw) & 1023)) & 1023);
-  const uint32_t s_base0 = SmemU32(base);
-  int* rows = reinterpret_cast<int*>(base + L::kRows);
-  float* s_lse = reinterpret_cast<float*>(base + L::kLse);
-  float* s_delta = reinterpret_cast<float*>(base + L::kDelta);
-
-  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5;
-  const int lane = tid & 31, g = lane >> 2, q4 = lane & 3;
-  const int64_t t = a.t0 + blockIdx.x;
-  const int64_t kk = a.k;
-  int len = a.len[t];
-  len = len < 0 ? 0 : (len > kk ? int(kk) : len);
-  const int nblk = (len + kTile - 1) / kTile;
-  const float sl2 = a.scale * kLog2e;
-  const int n_ht = a.h / kTile;
-
-  float dq[4][32];              // dQ [64 heads, columns 64 (4 wg + n) ..]
-  float dqr[ROPE ? 16 : 1];     // D 576: dQ^T [rope columns 0..63, heads 32 wg ..]
-
-  for (int ht = 0; ht < n_ht; ++ht) {
-    __syncthreads();  // the previous head tile's reads of shared memory are done
-    const uint32_t sQ = s_base0 + L::kQ, sDo = s_base0 + L::kDo;
-    {
-      const int64_t head0 = t * a.h + ht * kTile;
-      const bf16* qsrc = a.q + head0 * D;
-      for (int p = tid; p < kTile * CH; p += kThreads) {
-        const int r = p / CH, c = p % CH;
-        CpAsync16(sQ + WgChunk(r, c, kTile), qsrc + int64_t(r) * D + c * 8);
-      }
-      const bf16* dsrc = a.dout + head0 * kDv;
-      for (int p = tid; p < kTile * (kDv / 8); p += kThreads) {
-        const int r = p / (kDv / 8), c = p % (kDv / 8);
-        CpAsync16(sDo + WgChunk(r, c, kTile), dsrc + int64_t(r) * kDv + c * 8);
-      }
-      CpAsyncCommit();
-      if (tid < kTile) {
-        s_lse[tid] = a.lse2[head0 + tid];
-        s_delta[tid] = a.delta[head0 + tid];
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) dq[n][i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < (ROPE ? 16 : 1); ++i) dqr[i] = 0.f;
-
-    // Block 0's rows and gather; later blocks' are issued under the previous block's dKV.
-    auto block_row = [&](int b) { return BlockRow(a, t, len, b, tid); };
-    auto gather = [&](const int* blk_rows) {
-      const uint32_t sKv = s_base0 + L::kKv;
-      for (int p = tid; p < kTile * CH; p += kThreads) {
-        const int r = p / CH, c = p % CH;
-        const int row = blk_rows[r];
-        CpAsync16Zfill(sKv + WgChunk(r, c, kTile), a.kv + int64_t(row < 0 ? 0 : row) * D + c * 8,
-                       row >= 0);
-      }
-      CpAsyncCommit();
-    };
-    if (nblk > 0) {
-      if (tid < kTile) rows[tid] = block_row(0);
-      __syncthreads();
-      gather(rows);
-    }
-
-    for (int b = 0; b < nblk; ++b) {
-      const uint32_t s_base = Opaque(s_base0);
-      const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
-      const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
-      const int* cur = rows + (b & 1) * kTile;
-      int* nxt = rows + ((b + 1) & 1) * kTile;
-      const int next_row = (b + 1 < nblk && tid < kTile) ? block_row(b + 1) : -1;  // load early
-      CpAsyncWaitAll();
-      FenceProxyAsync();
-      __syncthreads();  // Q, dO (first block), this kv block, lse and delta visible; the
-                        // previous block's reads of P, dS and its rows are done
-
-      // S and dP for slots 32 wg .. 32 wg + 31.
-      float sacc[16], pacc[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) sacc[i] = pacc[i] = 0.f;
-      WgFenceOperand(sacc);
-      WgFenceOperand(pacc);
-      WgFence();
-      const uint32_t sKvW = sKv + wg * 32 * 128;
-#pragma unroll 1
-      for (int kb = 0; kb < NB; ++kb)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          WgMmaSS<0, 0>(sacc, WgDesc(sQ + kb * 8192 + ks * 32), WgDesc(sKvW + kb * 8192 + ks * 32), 1);
-#pragma unroll 1
-      for (int kb = 0; kb < kDv / 64; ++kb)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          WgMmaSS<0, 0>(pacc, WgDesc(sDo + kb * 8192 + ks * 32), WgDesc(sKvW + kb * 8192 + ks * 32), 1);
-      WgCommit();
-      WgWait<0>();
-      WgFenceOperand(sacc);
-      WgFenceOperand(pacc);
-
-      // P and dS (scaled by sm_scale) -> shared memory, [head][slot] bf16.
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int hh = 16 * wi + g + 8 * hr;
-        const float l2 = s_lse[hh], dl = s_delta[hh];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int s = 32 * wg + 8 * j + 2 * q4;
-          float pv[2], dv[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const bool ok = cur[s + e] >= 0;
-            const float p = ok ? exp2f(fmaf(sacc[4 * j + 2 * hr + e], sl2, -l2)) : 0.f;
-            pv[e] = p;
-            dv[e] = ok ? a.scale * p * (pacc[4 * j + 2 * hr + e] - dl) : 0.f;
-          }
-          const uint32_t off = hh * 128 + (((4 * wg + j) ^ (hh & 7)) << 4) + 4 * q4;
-          StShared32(sP + off, PackBf16(pv[0], pv[1]));
-          StShared32(sDs + off, PackBf16(dv[0], dv[1]));
-        }
-      }
-      FenceProxyAsync();
-      __syncthreads();  // P and dS of both halves stored
-
-      // dQ += dS . K over the first 512 columns: WG w owns column blocks 4w .. 4w + 3
-      // (A = dS [head][slot] K-major, B = the kv block read MN-major); D 576: the rope columns
-      // transposed, dQr^T [64 columns, heads 32w .. 32w + 31] = K_rope^T . dS^T (A = the kv
-      // block's last column block read MN-major, B = dS K-major, n32). One instruction stream
-      // for both warpgroups (no divergent wgmma).
-#pragma unroll
-      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
-      if constexpr (ROPE) WgFenceOperand(dqr);
-      WgFence();
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          WgMmaSS<0, 1>(dq[n], WgDesc(sDs + ks * 32), WgDescMN(sKv + (4 * wg + n) * 8192 + ks * 2048, 8192), 1);
-      if constexpr (ROPE) {
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + wg * 4096 + ks * 32), 1);
-      }
-      WgCommit();
-      WgWait<0>();  // dQ has read the kv block
-#pragma unroll
-      for (int n = 0; n < 4; ++n) WgFenceOperand(dq[n]);
-      if constexpr (ROPE) WgFenceOperand(dqr);
-      if (b + 1 < nblk) {
-        if (tid < kTile) nxt[tid] = next_row;
-        __syncthreads();  // both warpgroups' dQ reads of the kv block done; nxt published
-        gather(nxt);
-      }
-
-      // dKV chunks [64 slots, 64 columns] = dS^T Q_c + P^T dO_c (A and B both MN-major): WG w
-      // chunks 4w .. 4w + 3. D 576, the rope chunk (no dO part) split over the heads (the MMA's
-      // K): WG w sums heads 32w .. 32w + 31; WG0's half is written first, then WG1 adds its own.
-      constexpr int NCH = ROPE ? 5 : 4;
-#pragma unroll
-      for (int i = 0; i < NCH; ++i) {
-        const bool rope = ROPE && i == 4;
-        const int c = rope ? 8 : 4 * wg + i;
-        float acc[32];
-#pragma unroll
-        for (int x = 0; x < 32; ++x) acc[x] = 0.f;
-        WgFenceOperand(acc);
-        WgFence();
-        if (!rope) {
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-            WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-            WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
-        } else {
-#pragma unroll
-          for (int ks = 0; ks < 2; ++ks)
-            WgMmaSS<1, 1>(acc, WgDescMN(sDs + (2 * wg + ks) * 2048, 8192),
-                          WgDescMN(sQ + c * 8192 + (2 * wg + ks) * 2048, 8192), 1);
-        }
-        WgCommit();
-        WgWait<0>();
-        WgFenceOperand(acc);
-        // Rows: slot 16 wi + g (+ 8), columns 64 c + 8 j + 2 q4 (+1). Lane pairs swap halves so
-        // that each lane holds 4 consecutive columns of one row: even lanes row r0, odd r0 + 8.
-        const bool even = (q4 & 1) == 0;
-        const int slot = 16 * wi + g + (even ? 0 : 8);
-        const int row = cur[slot];
-        float4 v[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = RowQuad(acc, j, even);
-        const int col0 = 64 * c + 2 * (q4 & ~1);
-        if constexpr (DET) {
-          // The partial row of pair (t - t0) K + j: written by head tile 0 (WG0's rope half
-          // first), added to by every later writer in a fixed order.
-          Partial* dst = a.partial + ((t - a.t0) * kk + b * kTile + slot) * D + col0;
-          for (int phase = 0; phase < (rope ? 2 : 1); ++phase) {
-            if (rope) __syncthreads();  // phase 1: WG0's rope half is in global memory
-            const bool mine = !rope || phase == wg;
-            DkvStoreV4<true>(v, mine && row >= 0, nullptr, dst, ht == 0 && (!rope || wg == 0));
-          }
-        } else {
-          DkvStoreV4<false>(v, row >= 0, a.accum + int64_t(row < 0 ? 0 : row) * D + col0, nullptr, false);
-        }
-      }
-    }
-
-    CpAsyncWaitAll();  // (no block: the Q / dO copies are still to be waited for)
-
-    // dq[t, 64 ht + head, :] from the registers.
-    {
-      bf16* dst = a.dq + (t * a.h + ht * kTile) * D;
-      StoreDq<D>(dst, dq, 4 * wg, wi, g, q4);
-      if constexpr (ROPE) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = kDv + 16 * wi + g + 8 * hr, hh = 32 * wg + 8 * j + 2 * q4 + e;
-              dst[int64_t(hh) * D + col] = __float2bfloat16(dqr[4 * j + 2 * hr + e]);
-            }
-      }
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
-// The warp-specialised main kernel (v2b): the same math, operand layouts and outputs as
-// MainKernel, three warpgroups with their own instruction streams so that the dKV reductions of
-// block n no longer stall the gather and the S/dP MMAs of block n + 1.
+// The main kernel, warp-specialised: three warpgroups with their own instruction streams so that
+// the dKV reductions of block n do not stall the gather and the S/dP MMAs of block n + 1 (v2b in
+// benchmarks/notes/sparse_mla_bwd.md; 1.24x faster than two warpgroups in lockstep, measured).
 //   WG0 "A"  (224 regs): S = Q K^T, dP = dO V^T (m64n64, all 64 slots), P and dS -> shared
 //            memory, dQ[:, 0:256] += dS K (128 fp32 a thread). lse2 / delta from global memory.
 //   WG1 "B"  (256 regs): dQ[:, 256:512] += dS K, D 576: dQr^T = K_rope^T dS^T for all 64 heads
@@ -1026,13 +777,10 @@ cudaError_t MakeLayout(int64_t s_q, int64_t s_kv, int64_t h, int64_t d, int64_t 
   return cudaSuccess;
 }
 
-// The main kernel of the chosen variant (kernel_variant: 0 MainKernel, 1 MainKernelWs).
+// setmaxnreg.inc waits for registers that the producer's .dec released into the CTA's pool: with
+// fewer than 168 a thread at launch the consumers would hang, so refuse instead.
 template <int D, bool DET>
-cudaError_t SetMainSmem(int variant) {
-  if (variant == 0)
-    return cudaFuncSetAttribute(MainKernel<D, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, MainSmem<D>::kBytes);
-  // setmaxnreg.inc waits for registers that the producer's .dec released into the CTA's pool:
-  // with fewer than 168 a thread at launch the consumers would hang, so refuse instead.
+cudaError_t SetMainSmem() {
   cudaFuncAttributes fa;
   cudaError_t e = cudaFuncGetAttributes(&fa, MainKernelWs<D, DET>);
   if (e != cudaSuccess) return e;
@@ -1040,11 +788,8 @@ cudaError_t SetMainSmem(int variant) {
   return cudaFuncSetAttribute(MainKernelWs<D, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, WsSmem<D>::kBytes);
 }
 template <int D, bool DET>
-cudaError_t LaunchMain(int variant, unsigned grid, const MainArgs& a, cudaStream_t stream) {
-  if (variant == 0)
-    MainKernel<D, DET><<<grid, kThreads, MainSmem<D>::kBytes, stream>>>(a);
-  else
-    MainKernelWs<D, DET><<<grid, kWsThreads, WsSmem<D>::kBytes, stream>>>(a);
+cudaError_t LaunchMain(unsigned grid, const MainArgs& a, cudaStream_t stream) {
+  MainKernelWs<D, DET><<<grid, kWsThreads, WsSmem<D>::kBytes, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1083,13 +828,12 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
   a.t0 = 0;
   a.h = h;
   a.scale = p.sm_scale;
-  const int variant = p.kernel_variant;
 
   if (!p.deterministic) {
-    if ((e = SetMainSmem<D, false>(variant)) != cudaSuccess) return e;
-    if ((e = LaunchMain<D, false>(variant, unsigned(p.s_q), a, stream)) != cudaSuccess) return e;
+    if ((e = SetMainSmem<D, false>()) != cudaSuccess) return e;
+    if ((e = LaunchMain<D, false>(unsigned(p.s_q), a, stream)) != cudaSuccess) return e;
   } else {
-    if ((e = SetMainSmem<D, true>(variant)) != cudaSuccess) return e;
+    if ((e = SetMainSmem<D, true>()) != cudaSuccess) return e;
     a.partial = reinterpret_cast<Partial*>(ws + L.partial);
     uint32_t* keys0 = reinterpret_cast<uint32_t*>(ws + L.keys0);
     uint32_t* keys1 = reinterpret_cast<uint32_t*>(ws + L.keys1);
@@ -1121,7 +865,7 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
       if ((e = cub::DeviceRadixSort::SortPairs(temp, tb, kb, vb, int(n), 0, bits, stream)) != cudaSuccess)
         return e;
       a.t0 = t0;
-      if ((e = LaunchMain<D, true>(variant, unsigned(nq), a, stream)) != cudaSuccess) return e;
+      if ((e = LaunchMain<D, true>(unsigned(nq), a, stream)) != cudaSuccess) return e;
       ReduceKernel<D><<<unsigned((p.s_kv + 7) / 8), 256, 0, stream>>>(
           offsets, vb.Current(), a.partial,
           reinterpret_cast<float4*>(accum), p.s_kv);
@@ -1139,12 +883,18 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
 
 int64_t SparseMlaBwdChunkQueries(int64_t s_q, int64_t d, int64_t k, int64_t chunk_queries) {
   int64_t c = chunk_queries;
-  if (c <= 0) {
+  const bool automatic = c <= 0;
+  if (automatic) {
     const int64_t budget = int64_t(1) << 31;  // bytes of partial rows a chunk
     c = budget / (k * d * int64_t(sizeof(Partial)));
   }
   if (c > INT32_MAX / k) c = INT32_MAX / k;  // pair ids are 32-bit
-  if (c > s_q) c = s_q;
+  if (c >= s_q) return s_q;
+  // Whole waves (one CTA an SM, equal work a query): 455 -> 396 queries at K 2048 / D 576 took
+  // the deterministic backward at 16K from 70.0 to 65.1 ms on an H200. A constant, not the
+  // device's SM count, so that the summation order is the same on every card.
+  constexpr int64_t kWave = 132;
+  if (automatic && c > kWave) c = c / kWave * kWave;
   return c < 1 ? 1 : c;
 }
 
@@ -1159,7 +909,6 @@ size_t SparseMlaBwdWorkspaceBytes(int64_t s_q, int64_t s_kv, int64_t h, int64_t 
 cudaError_t LaunchSparseMlaBwd(const SparseMlaBwdParams& p, cudaStream_t stream) {
   if (!Supported(p.h, p.d) || p.s_q < 1 || p.s_kv < 1 || p.k < 1) return cudaErrorInvalidValue;
   if (p.s_q > INT32_MAX || p.s_kv >= INT32_MAX || p.s_q * p.k > (int64_t(1) << 40)) return cudaErrorInvalidValue;
-  if (p.kernel_variant != 0 && p.kernel_variant != 1) return cudaErrorInvalidValue;
   if (!p.q || !p.kv || !p.out || !p.dout || !p.lse || !p.attn_sink || !p.indices || !p.topk_length ||
       !p.dq || !p.dkv || !p.d_sink || !p.workspace)
     return cudaErrorInvalidValue;

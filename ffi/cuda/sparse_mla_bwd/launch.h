@@ -46,14 +46,11 @@ struct SparseMlaBwdParams {
   int64_t s_q = 0, s_kv = 0, h = 0, d = 0, k = 0;
   float sm_scale = 1.f;
   bool deterministic = false;
-  // Deterministic mode: queries per chunk (0: automatic, so that the chunk's fp32 partial rows
-  // take at most 2 GiB). Must be the value given to SparseMlaBwdWorkspaceBytes.
+  // Deterministic mode: queries per chunk (0: automatic: the chunk's fp32 partial rows take at
+  // most 2 GiB, and a chunk of more than 132 queries is a multiple of 132, whole waves of the
+  // H100's and H200's SMs). The chunk fixes the summation order: results repeat for a given
+  // chunk. Must be the value given to SparseMlaBwdWorkspaceBytes.
   int64_t chunk_queries = 0;
-  // Main kernel: 0 = MainKernel (v2a: two warpgroups in lockstep), 1 = MainKernelWs (v2b:
-  // producer + two consumer warpgroups); anything else is cudaErrorInvalidValue. Same math;
-  // deterministic results repeat per variant (they sum the rope dKV columns in other orders).
-  // 0 until 1 has run on a GPU (benchmarks/notes/sparse_mla_bwd.md, v2b).
-  int kernel_variant = 0;
 };
 
 // The chunk the deterministic mode uses for these sizes (chunk_queries 0: automatic).
