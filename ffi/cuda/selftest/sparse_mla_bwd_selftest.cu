@@ -455,7 +455,7 @@ int Bench(int64_t S) {
     p.topk_length = len; p.dq = dq; p.dkv = dkv; p.d_sink = dsink;
     p.s_q = SQ; p.s_kv = SKV; p.h = H; p.d = D; p.k = K; p.sm_scale = float(1.0 / std::sqrt(double(D)));
     p.deterministic = det;
-      p.chunk_queries = g_chunk;
+    p.chunk_queries = g_chunk;
     p.workspace_bytes = SparseMlaBwdWorkspaceBytes(SQ, SKV, H, D, K, det, g_chunk);
     CK(cudaMalloc(&p.workspace, p.workspace_bytes));
     cudaEvent_t e0, e1;

@@ -221,7 +221,7 @@ struct MainSmem {
   static constexpr int kEnd = kDelta + kTile * 4;
 };
 
-// Shared by both main kernels.
+// Helpers of the main kernel.
 
 // kv row of slot i of block b of query t: -1 past topk_length or out of [0, s_kv).
 __device__ __forceinline__ int BlockRow(const MainArgs& a, int64_t t, int len, int b, int i) {

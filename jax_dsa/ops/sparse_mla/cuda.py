@@ -193,8 +193,8 @@ def own_backward_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int, k: int,
     """The own backward's scratch (``SparseMlaBwdWorkspaceBytes`` of
     ``ffi/cuda/sparse_mla_bwd/launch.h``, which the handler checks): per-row statistics, the
     fp32 dKV accumulator and, when deterministic, one chunk's partial rows (at most 2 GiB; a
-    chunk of more than 132 queries a multiple of 132), sort keys and values, the CSR offsets
-    and CUB's scratch."""
+    chunk short of all ``s_q`` queries and over 132 is a multiple of 132), sort keys and
+    values, the CSR offsets and CUB's scratch."""
     up = lambda x: -(-x // 256) * 256
     total = 3 * up(s_q * h * 4) + up(s_kv * d_qk * 4)
     if deterministic:
