@@ -143,6 +143,12 @@ def test_restrict_refuses_what_is_no_name_or_sequence_of_names(bad):
         toy_registry().restrict(bad)
 
 
+@pytest.mark.parametrize("bad", ["xlaa", ("cuda", "xlaa")])
+def test_restrict_refuses_a_name_no_op_has(bad):
+    with pytest.raises(ValueError, match=r"\['xlaa'\] is not an implementation of any op"):
+        toy_registry().restrict(bad)
+
+
 def test_registry_construction_is_checked():
     with pytest.raises(ValueError, match="share a name"):
         Registry("toy_op", (toy("a"), toy("a")), {"default": ("a",)})

@@ -68,6 +68,11 @@ def always(call) -> None:
     return None
 
 
+# Every implementation name some registry holds: a layer's ``implementation=`` may name another
+# op's implementation (skipped by :meth:`Registry.restrict`), but not one that no op has.
+_ALL_NAMES: set[str] = set()
+
+
 class Registry:
     """The implementations of one op and its default preference per platform.
 
@@ -91,6 +96,7 @@ class Registry:
                     raise ValueError(f"{op}: preference names unknown implementation {name!r}")
         if "default" not in self._preference:
             raise ValueError(f"{op}: the preference needs a 'default' entry")
+        _ALL_NAMES.update(self._impls)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -133,7 +139,9 @@ class Registry:
         default order) when it has none of them.
 
         Raises:
-          ValueError: ``implementation`` is not None, a name or a non-empty sequence of names.
+          ValueError: ``implementation`` is not None, a name or a non-empty sequence of names,
+            or names an implementation that no op registers (a typo would otherwise run the
+            defaults silently).
         """
         if implementation is None:
             return None
@@ -143,6 +151,10 @@ class Registry:
             raise ValueError(f"{self.op}: implementation must be None, a name or a non-empty "
                             f"sequence of names, got {implementation!r}")
         names = tuple(names)
+        unknown = [n for n in names if n not in _ALL_NAMES]
+        if unknown:
+            raise ValueError(f"{self.op}: implementation {unknown} is not an implementation of any "
+                             f"op; the known ones are {sorted(_ALL_NAMES)}")
         known = tuple(n for n in names if n in self._impls)
         if not known:
             return None
