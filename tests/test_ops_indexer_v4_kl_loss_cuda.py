@@ -66,8 +66,8 @@ def test_registry_prefers_cuda_on_gpu():
     assert reg.preference("gpu") == ("cuda", "xla")
     assert reg.preference("cpu") == ("xla",)
     assert reg.restrict(None) is None
-    # the known names first, then the default order, without repeats (("cuda", "xla") on a GPU)
-    assert reg.restrict(("cuda", "pallas")) == tuple(dict.fromkeys(("cuda",) + reg.preference()))
+    # its names first (another op's "cpu" skipped), then the default order, without repeats
+    assert reg.restrict(("cuda", "cpu")) == tuple(dict.fromkeys(("cuda",) + reg.preference()))
 
 
 def _call(**over):
