@@ -73,6 +73,15 @@ def always(call) -> None:
 _ALL_NAMES: set[str] = set()
 
 
+def _as_names(implementation) -> tuple[str, ...] | None:
+    """A name or a non-empty sequence of non-empty names as a tuple; ``None`` for anything else."""
+    names = (implementation,) if isinstance(implementation, str) else implementation
+    if (not isinstance(names, Sequence) or not names
+            or not all(isinstance(n, str) and n for n in names)):
+        return None
+    return tuple(names)
+
+
 class Registry:
     """The implementations of one op and its default preference per platform.
 
@@ -118,13 +127,7 @@ class Registry:
         """The names ``implementation=`` asks for, checked; raises ValueError for unknown ones."""
         if implementation is None:
             return self.preference()
-        if isinstance(implementation, str):
-            names = (implementation,)
-        elif isinstance(implementation, Sequence) and implementation and all(
-                isinstance(n, str) for n in implementation):
-            names = tuple(implementation)
-        else:
-            names = None
+        names = _as_names(implementation)
         if names is None or any(n not in self._impls for n in names):
             raise ValueError(
                 f"{self.op}: implementation must be one of {self.names}, a non-empty sequence of "
@@ -145,12 +148,10 @@ class Registry:
         """
         if implementation is None:
             return None
-        names = (implementation,) if isinstance(implementation, str) else implementation
-        if (not isinstance(names, Sequence) or not names
-                or not all(isinstance(n, str) and n for n in names)):
+        names = _as_names(implementation)
+        if names is None:
             raise ValueError(f"{self.op}: implementation must be None, a name or a non-empty "
-                            f"sequence of names, got {implementation!r}")
-        names = tuple(names)
+                             f"sequence of names, got {implementation!r}")
         unknown = [n for n in names if n not in _ALL_NAMES]
         if unknown:
             raise ValueError(f"{self.op}: implementation {unknown} is not an implementation of any "
