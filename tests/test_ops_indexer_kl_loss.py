@@ -93,6 +93,36 @@ def test_kl_sparse_on_indexer_topk_output():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_kl_nan_in_index_q_propagates(sparse):
+    """A NaN in one query's index_q makes the loss NaN (XLA:CPU's fused relu once dropped it)
+    and never reaches an index_k row the query cannot see. The sparse form's gradients are NaN
+    in that query's rows and in exactly the index_k rows it read; the dense form computes its
+    scores on finite rows and puts the NaN back per score, so its gradients stay finite."""
+    rng = np.random.default_rng(14)
+    s, t, k = 64, 40, 16
+    iq, ik, iw, q, kv = _loss_inputs(rng, (), s, s, h_i=32, d_i=16)
+    pos = np.arange(s)
+    idx = rng.integers(-2, s + 2, (s, k)) if sparse else None
+    iq = jnp.asarray(iq).at[t, 3, 5].set(jnp.nan)
+    loss = lambda iq, ik, iw: indexer_kl_loss(iq, ik, iw, q, kv, sm_scale=0.5, q_positions=pos,
+                                              kv_positions=pos, indices=idx)
+    value, (d_iq, d_ik, d_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(iq, ik, iw)
+    assert np.isnan(float(value))
+    read = np.zeros(s, bool)
+    if sparse:
+        row = idx[t]
+        read[row[(row >= 0) & (row <= t)]] = True
+    else:
+        read[: t + 1] = True
+    assert read.sum() > 3
+    nan_rows = np.isnan(np.asarray(d_ik)).any(-1)
+    np.testing.assert_array_equal(nan_rows, read if sparse else np.zeros(s, bool))
+    for name, g in (("d_iq", d_iq), ("d_w", d_w)):
+        bad = ~np.isfinite(np.asarray(g)).reshape(s, -1).all(-1)
+        np.testing.assert_array_equal(np.nonzero(bad)[0], [t] if sparse else [], err_msg=name)
+
+
 def test_kl_packed_segments_and_empty_rows():
     rng = np.random.default_rng(13)
     q_seg = np.array([0, 0, 1, 1, 1, 5, 2, 2])  # document 5 has no keys: an empty row

@@ -282,6 +282,22 @@ def test_gpu_exact_ties_go_to_the_lower_index():
 
 
 @pytest.mark.gpu
+def test_gpu_nan_in_a_query_matches_xla():
+    """A NaN in one query's q makes all its scores NaN (relu keeps it; fmaxf would rank the keys
+    by the other heads): that row takes the lowest visible indices, as "xla" does, and no
+    other row changes."""
+    q, k, w, qp, kp, args = _gpu_inputs(32, 300, 500)
+    t, topk = 250, 64
+    poisoned = (args[0].at[t, 3, 5].set(jnp.nan),) + args[1:]
+    run = lambda a, impl: np.asarray(indexer_topk(*a, topk=topk, q_positions=qp, kv_positions=kp,
+                                                  implementation=impl))
+    got, clean = run(poisoned, "cuda"), run(args, "cuda")
+    np.testing.assert_array_equal(got[t], run(poisoned, "xla")[t])
+    np.testing.assert_array_equal(got[t], np.arange(topk))
+    np.testing.assert_array_equal(np.delete(got, t, 0), np.delete(clean, t, 0))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h,s_q,s_kv,topk", [(32, 300, 2100, 2048), (64, 200, 700, 64)])
 def test_gpu_fp8_matches_the_fp8_oracle_and_xla(h, s_q, s_kv, topk):
     q, k, w, qp, kp, args = _gpu_inputs(h, s_q, s_kv)

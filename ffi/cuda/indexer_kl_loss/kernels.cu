@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/relu.h"
 #include "cuda/common/sm90_wgmma.h"
 #include "cuda/indexer_kl_loss/launch.h"
 
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 2) KlFwdKernel(const FwdArgs a, int 
           for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-              s += sm.w[mt * 16 + g + 8 * half] * fmaxf(acc[mt][nt][half * 2 + e], 0.f);
+              s += sm.w[mt * 16 + g + 8 * half] * Relu(acc[mt][nt][half * 2 + e]);
         }
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         s += __shfl_xor_sync(0xffffffffu, s, 8);
@@ -667,8 +668,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int r = PAIR ? j / 4 : 0;
-          il[r] = fmaf(fmaxf(acc_s[4 * j + e], 0.f), w_of(2 * j + e), il[r]);
-          ih[r] = fmaf(fmaxf(acc_s[4 * j + 2 + e], 0.f), w_of(2 * j + e), ih[r]);
+          il[r] = fmaf(Relu(acc_s[4 * j + e]), w_of(2 * j + e), il[r]);
+          ih[r] = fmaf(Relu(acc_s[4 * j + 2 + e]), w_of(2 * j + e), ih[r]);
         }
 #pragma unroll
       for (int r = 0; r < (PAIR ? 2 : 1); ++r) {
@@ -708,8 +709,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
         const int r = PAIR ? j / 4 : 0;
         const float d = hr ? dh[r] : dl[r];
         const float x0 = acc_s[4 * j + 2 * hr], x1 = acc_s[4 * j + 2 * hr + 1];
-        dw[2 * j] += d * fmaxf(x0, 0.f);
-        dw[2 * j + 1] += d * fmaxf(x1, 0.f);
+        dw[2 * j] += d * Relu(x0);
+        dw[2 * j + 1] += d * Relu(x1);
         pk[hr] = PackBf16(x0 > 0.f ? d * w_of(2 * j) : 0.f, x1 > 0.f ? d * w_of(2 * j + 1) : 0.f);
         // G: heads 8 j + 2 q4 (+1), slot r0 + 8 hr. At HI 64, [slot][hi] (the accumulator's
         // layout: one 4-byte store for both heads; (2) reads it N-major); at 32, [hi][slot]

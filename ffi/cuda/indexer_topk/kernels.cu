@@ -3,6 +3,8 @@
 
 #include "cuda/indexer_topk/launch.h"
 
+#include "cuda/common/relu.h"
+
 #include <cuda_bf16.h>
 #include <cub/block/block_radix_sort.cuh>
 
@@ -343,7 +345,7 @@ ScoreKernelWg(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restri
 #pragma unroll
         for (int j8 = qq * (H / 8); j8 < (qq + 1) * (H / 8); ++j8) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) p = fmaf(fmaxf(acc[4 * j8 + 2 * hr + e], 0.f), wv[j8][e], p);
+          for (int e = 0; e < 2; ++e) p = fmaf(Relu(acc[4 * j8 + 2 * hr + e]), wv[j8][e], p);
         }
         v[qq * 2 + hr] = p;
       }

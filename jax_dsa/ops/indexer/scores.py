@@ -16,6 +16,12 @@ import jax.numpy as jnp
 from jax_dsa.ops.blocks import einsum
 
 
+def relu(x):
+    """``jax.nn.relu`` that keeps a NaN on every backend: XLA:CPU's fused ``maximum`` (jax 0.11)
+    returns 0 for it, which would turn a poisoned ``index_q`` into finite scores."""
+    return jnp.where(jnp.isnan(x), x, jax.nn.relu(x))
+
+
 def _finite_rows(x):
     ok = jnp.all(jnp.isfinite(x), axis=-1)
     return jnp.where(ok[..., None], x, 0), ok
@@ -32,7 +38,7 @@ def dense_scores(qb, k, wb, acc):
     k, k_ok = _finite_rows(k)
     w_ok = jnp.isfinite(wb)
     dots = einsum("qhd,sd->qhs", qb, k, acc)
-    score = jnp.sum(jax.nn.relu(dots) * jnp.where(w_ok, wb, 0).astype(acc)[:, :, None], axis=1)
+    score = jnp.sum(relu(dots) * jnp.where(w_ok, wb, 0).astype(acc)[:, :, None], axis=1)
     ok = jnp.all(q_ok & w_ok, axis=-1)[:, None] & k_ok[None, :]
     return jnp.where(ok, score, jnp.nan)
 
@@ -40,7 +46,7 @@ def dense_scores(qb, k, wb, acc):
 def sparse_scores(qb, rows, wb, acc):
     """``[B, H_I, D]``, gathered ``[B, K, D]``, ``[B, H_I]`` -> ``[B, K]`` index scores."""
     dots = einsum("qhd,qkd->qhk", qb, rows, acc)
-    return jnp.sum(jax.nn.relu(dots) * wb.astype(acc)[:, :, None], axis=1)
+    return jnp.sum(relu(dots) * wb.astype(acc)[:, :, None], axis=1)
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

@@ -24,8 +24,9 @@ def block_support_and_logits(iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_s
         support = valid & (kv_pos[safe] <= pb[:, None])
         if sb is not None:
             support = support & (kv_seg[safe] == sb[:, None])
-        # Invalid slots gather zeros (and their gradients are dropped): never a row's values.
-        rows = jnp.where(valid, ib, kv.shape[0])
+        # Slots outside the support gather zeros (their gradients are dropped): a key the query
+        # cannot see is never read, so a NaN in the query never reaches that key's gradient.
+        rows = jnp.where(support, ib, kv.shape[0])
         score = sparse_scores(iqb, ik.at[rows].get(mode="fill", fill_value=0), iwb, acc)
         kv_rows = kv.at[rows].get(mode="fill", fill_value=0)
         logits = einsum("qhd,qkd->qhk", qb, kv_rows, acc) * jnp.asarray(scale, acc)
