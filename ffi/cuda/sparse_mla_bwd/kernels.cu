@@ -33,9 +33,9 @@
 //   3. cub::DeviceRadixSort::SortPairs (LSD, stable) on (key, value): since the input is in
 //      ascending p, each row's segment lists its pair ids in ascending (query, slot) order.
 //   4. MainKernelWs<DET>: the 64-head-summed dKV row of every valid pair is
-//      stored (fp32, D floats) at partial[p]; at H 128 the CTA does head tile 0 then head tile 1,
+//      stored (bf16, D values) at partial[p]; at H 128 the CTA does head tile 0 then head tile 1,
 //      the second adding its rows into the same partial rows (same thread, same address:
-//      partial = tile0 + tile1).
+//      partial = bf16(bf16(tile0) + tile1)).
 //   5. ReduceKernel: one warp per kv row walks its segment in order, acc = (((0 + x_p0) + x_p1)
 //      + ...), then accum[row] += acc. Chunks run in order on one stream.
 // Every floating-point sum therefore has a fixed order (and the MMAs are deterministic), so the
@@ -59,11 +59,12 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-// The deterministic mode's partial dKV rows: fp32, or bf16 (half the bytes streamed through HBM,
-// one more rounding per (query, row) before the fp32 sum) when built with
-// JAX_DSA_BWD_PARTIAL_BF16=1 (an experiment: measured against the float64 oracle before use).
+// The deterministic mode's partial dKV rows: bf16 (half the bytes of fp32 streamed through HBM,
+// one more rounding per (query, row) before the fp32 sum: dkv's relative error 2.8-3.1e-3
+// against fp32 atomics' 2.3e-3, and 16-26% faster; benchmarks/notes/sparse_mla_bwd.md), or
+// fp32 when built with JAX_DSA_BWD_PARTIAL_BF16=0 (the glue's workspace formula assumes bf16).
 #ifndef JAX_DSA_BWD_PARTIAL_BF16
-#define JAX_DSA_BWD_PARTIAL_BF16 0
+#define JAX_DSA_BWD_PARTIAL_BF16 1
 #endif
 using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 
@@ -285,42 +286,21 @@ __device__ __forceinline__ void StoreDq(bf16* dst, const float (&dq)[4][32], int
       }
 }
 
-// dKV chunk c of a block (its own commit group): [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c
-// below d_v), A and B MN-major. c is a constant after unrolling, so the P^T dO test folds.
-__device__ __forceinline__ void IssueDkvChunk(float (&acc)[32], int c, uint32_t sDs, uint32_t sP, uint32_t sQ,
-                                              uint32_t sDo) {
-  using namespace sm90;
-  WgFence();
-  WgMmaSSZero<1, 1>(acc, WgDescMN(sDs, 8192), WgDescMN(sQ + c * 8192, 8192));
-#pragma unroll
-  for (int ks = 1; ks < 4; ++ks)
-    WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
-  if (c < kDv / 64) {
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
-  }
-  WgCommit();
-}
-
 // ---------------------------------------------------------------------------------------------
 // The main kernel, warp-specialised: three warpgroups with their own instruction streams so that
 // the dKV reductions of block n do not stall the gather and the S/dP MMAs of block n + 1 (v2b in
 // benchmarks/notes/sparse_mla_bwd.md; 1.24x faster than two warpgroups in lockstep, measured).
 //   WG0 "A"  (224 regs): S = Q K^T, dP = dO V^T (m64n64, all 64 slots), P and dS -> shared
 //            memory, dQ[:, 0:256] += dS K (128 fp32 a thread). lse2 / delta from global memory.
-//            JAX_DSA_BWD_CHUNKS_A = k > 0: then dKV chunks 0 .. k - 1 of the block (as B does
-//            them, one accumulator or A_DOUBLE two), taking them off B's critical chain.
 //   WG1 "B"  (256 regs): dQ[:, 256:512] += dS K, D 576: dQr^T = K_rope^T dS^T for all 64 heads
-//            (32 fp32); then the dKV chunks k .. NB - 1 (dS^T Q_c + P^T dO_c; rope: dS^T Q_8),
+//            (32 fp32); then the dKV chunks (dS^T Q_c + P^T dO_c; the rope chunk dS^T Q_8),
 //            chunk c + 1's wgmma issued before chunk c's red.v4 / partial-row epilogue.
 //   WG2 producer (24 regs): row ids into rows[n & 1], the kv gather (cp.async, zero-filled
 //            invalid rows), Q and dO once a head tile.
 // Registers: B holds 7 accumulator blocks (dq 4, dqr, 2 dKV = 224) + ~28 scalars; A dq 4 + S +
-// dP (192) + ~28, its dKV chunks (k > 0: 1 or 2 blocks) only once S, dP are dead; the first MMA
-// of S, dP and each dKV chunk is scale-d 0 with "=f" outputs so the previous values are not live
-// across it (with "+f": 32-64 more, spills, and ptxas then serialises every wgmma of the kernel,
-// C7512).
+// dP (192) + ~28; the first MMA of S, dP and each dKV chunk is scale-d 0 with "=f" outputs so
+// the previous values are not live across it (with "+f": 32-64 more, spills, and ptxas then
+// serialises every wgmma of the kernel, C7512).
 // Single kv stage (no shared memory for a second): the producer refills it once A and B have
 // both finished reading it (their dQ), so A's S/dP of block n + 1 overlaps B's dKV of block n.
 // Blocks are counted over the head tiles, n = ht * nblk + b: each mbarrier below completes one
@@ -329,26 +309,13 @@ __device__ __forceinline__ void IssueDkvChunk(float (&acc)[32], int c, uint32_t 
 //   kv_empty  (256: A + B)    both dQs of block n read the kv block      producer waits
 //   pds_full  (128: A)        P, dS of block n stored                    B waits
 //   pds_empty (128: B)        dKV of block n read P, dS (and Q, dO)      A waits before storing
-//                             (A's own chunks: waited for before, in program order)
 //   q_full    (128: producer) Q, dO of head tile ht landed               A, B wait
 //   q_empty   (256: A + B)    head tile ht's last reads of Q, dO         producer waits
-//                             (A: after S, dP of the last block; k > 0: after its chunks)
 // No phase can run two ahead of a waiter (each refill needs the waiter's own earlier arrival),
 // so one parity bit is enough. nblk == 0 uses no barrier at all (dq = 0, uniform over the CTA).
 
 constexpr int kWsThreads = 384;
 constexpr int kRegA = 224, kRegB = 256, kRegP = 24;  // 128 x (224 + 256 + 24) = 168 x 384
-// dKV chunks 0 .. kChunksA - 1 done by A (after its dQ), the rest by B: B's chain bounds the
-// kernel while A waits for the next gather. 0 = all on B. A_DOUBLE: A double-buffers them too.
-#ifndef JAX_DSA_BWD_CHUNKS_A
-#define JAX_DSA_BWD_CHUNKS_A 0
-#endif
-#ifndef JAX_DSA_BWD_A_DOUBLE
-#define JAX_DSA_BWD_A_DOUBLE 0
-#endif
-constexpr int kChunksA = JAX_DSA_BWD_CHUNKS_A;
-constexpr bool kADouble = JAX_DSA_BWD_A_DOUBLE != 0;
-static_assert(kChunksA >= 0 && kChunksA < 8, "B keeps at least one dKV chunk (it arrives pds_empty)");
 static_assert(128 * (kRegA + kRegB + kRegP) <= 65536 / kWsThreads / 8 * 8 * kWsThreads,
               "setmaxnreg budget above the launch allocation");
 
@@ -410,7 +377,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
         const int n = ht * nblk + b;
         const int row = wtid < kTile ? BlockRow(a, t, len, b, wtid) : -1;  // loaded early
         if (n > 0) MbarWait(kv_empty, (n - 1) & 1);  // A and B are done with block n - 1's kv
-        int* rw = rows + (n & 1) * kTile;  // (block n - 2's: A, B read it before kv_empty(n - 1))
+        int* rw = rows + (n & 1) * kTile;  // (block n - 2's: B read it before kv_empty(n - 1))
         if (wtid < kTile) rw[wtid] = row;
         NamedBarSync(1, 128);  // rw complete for the whole producer
 #pragma unroll 1
@@ -457,7 +424,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
 
   const float scale = a.scale;
   if (wg == 0) {
-    // ---- Consumer A: S, dP, P, dS, dQ[:, 0:256] (+ dKV chunks 0 .. kChunksA - 1).
+    // ---- Consumer A: S, dP, P, dS, dQ[:, 0:256].
     RegAlloc<kRegA>();
     const float sl2 = scale * kLog2e;
     float dq[4][32];
@@ -523,8 +490,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
             }
         WgWait<0>();  // (ptxas places both waits before the exp2s anyway: ~0.1 us a block)
         WgFenceOperand(pacc);
-        // This tile's Q, dO reads are done (with A's dKV chunks: after them, below).
-        if (kChunksA == 0 && b == nblk - 1) MbarArrive(q_empty);
+        if (b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads are done
         uint32_t pk[16], dk[16];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -560,53 +526,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           for (int ks = 0; ks < 4; ++ks)
             WgMmaSS<0, 1>(dq[nn], WgDesc(sDs + ks * 32), WgDescMN(sKv + nn * 8192 + ks * 2048, 8192), 1);
         WgCommit();
-        float cacc0[32], cacc1[32];  // A's dKV chunks (sacc / pacc are dead by now)
-        if constexpr (kChunksA > 0) {
-          IssueDkvChunk(cacc0, 0, sDs, sP, sQ, sDo);
-          WgWait<1>();  // dQ done, chunk 0 in flight
-        } else {
-          WgWait<0>();
-        }
+        WgWait<0>();
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
-        MbarArrive(kv_empty);  // (A's dKV chunks read P, dS, Q, dO, not the kv block)
-        if constexpr (kChunksA > 0) {
-          // B's thread layout and rows. Recomputed from an opaque tid: hoisted out of the block
-          // loop they stay live through S, dP and spill (12 bytes at A_DOUBLE, DET).
-          const int ltid = int(Opaque(threadIdx.x)) & 127, lq4 = ltid & 3;
-          const bool even = (lq4 & 1) == 0;
-          const int slot = 16 * (ltid >> 5) + ((ltid & 31) >> 2) + (even ? 0 : 8);
-          const int colq = 2 * (lq4 & ~1);
-          // rows[n & 1] still holds block n: the producer rewrites it (for block n + 2) only
-          // after kv_empty(n + 1), which A arrives after these chunks.
-          const int row = rows[(n & 1) * kTile + slot];
-          float* adst = nullptr;
-          Partial* pdst = nullptr;
-          if constexpr (DET) pdst = a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + colq;
-          else adst = a.accum + int64_t(row < 0 ? 0 : row) * D + colq;
-          // kADouble: chunk c + 1 issued before chunk c's epilogue (as B); else one accumulator.
-          // (Not one loop helper with B's: inlined, it reorders B's registers at kChunksA 0.)
-#pragma unroll
-          for (int c = 0; c < kChunksA; ++c) {
-            float(&cur)[32] = (kADouble && (c & 1)) ? cacc1 : cacc0;
-            float(&nxt)[32] = (kADouble && (c & 1)) ? cacc0 : cacc1;
-            if (kADouble && c + 1 < kChunksA) {
-              IssueDkvChunk(nxt, c + 1, sDs, sP, sQ, sDo);
-              WgWait<1>();
-            } else {
-              if (!kADouble && c > 0) IssueDkvChunk(cur, c, sDs, sP, sQ, sDo);
-              WgWait<0>();
-            }
-            WgFenceOperand(cur);
-            float4 v[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, even);
-            DkvStoreV4<DET>(v, row >= 0, DET ? nullptr : adst + 64 * c, DET ? pdst + 64 * c : nullptr, ht == 0);
-          }
-          // pds_empty stays B's alone: these reads of P, dS are over (WgWait<0>) before A stores
-          // block n + 1's, in program order.
-          if (b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads (the chunks') are done
-        }
+        MbarArrive(kv_empty);
       }
       StoreDq<D>(a.dq + (t * a.h + ht * kTile) * D, dq, 0, wi, g, q4);
     }
@@ -642,6 +565,21 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
       Partial* pdst = nullptr;
       if constexpr (DET) pdst = a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + colq;
       else adst = a.accum + int64_t(row < 0 ? 0 : row) * D + colq;
+      // Chunk c: [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c below d_v), A and B MN-major.
+      auto issue = [&](float (&acc)[32], int c) {
+        WgFence();
+        WgMmaSSZero<1, 1>(acc, WgDescMN(sDs, 8192), WgDescMN(sQ + c * 8192, 8192));
+#pragma unroll
+        for (int ks = 1; ks < 4; ++ks)
+          WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
+        if (c < kDv / 64) {
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks)
+            WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
+        }
+        WgCommit();
+      };
+
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
       if constexpr (ROPE) WgFenceOperand(dqr);
@@ -657,7 +595,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + ks * 32), 1);
       }
       WgCommit();
-      IssueDkvChunk(acc0, kChunksA, sDs, sP, sQ, sDo);
+      issue(acc0, 0);
       WgWait<1>();  // dQ done: B's reads of the kv block are over
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
@@ -665,11 +603,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
       MbarArrive(kv_empty);
 
 #pragma unroll
-      for (int c = kChunksA; c < NB; ++c) {
-        float(&cur)[32] = ((c - kChunksA) & 1) ? acc1 : acc0;
-        float(&nxt)[32] = ((c - kChunksA) & 1) ? acc0 : acc1;
+      for (int c = 0; c < NB; ++c) {
+        float(&cur)[32] = (c & 1) ? acc1 : acc0;
+        float(&nxt)[32] = (c & 1) ? acc0 : acc1;
         if (c + 1 < NB) {
-          IssueDkvChunk(nxt, c + 1, sDs, sP, sQ, sDo);
+          issue(nxt, c + 1);
           WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
         } else {
           WgWait<0>();

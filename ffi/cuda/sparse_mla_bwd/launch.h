@@ -46,7 +46,7 @@ struct SparseMlaBwdParams {
   int64_t s_q = 0, s_kv = 0, h = 0, d = 0, k = 0;
   float sm_scale = 1.f;
   bool deterministic = false;
-  // Deterministic mode: queries per chunk (0: automatic: the chunk's fp32 partial rows take at
+  // Deterministic mode: queries per chunk (0: automatic: the chunk's bf16 partial rows take at
   // most 2 GiB; unless it covers all s_q queries, a chunk of more than 132 is a multiple of 132,
   // whole waves of the 132 SMs of an H100 SXM or H200). The chunk fixes the summation order:
   // results repeat for a given chunk. Must be the value given to SparseMlaBwdWorkspaceBytes.

@@ -192,16 +192,16 @@ def own_backward_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int, k: int,
                                  deterministic: bool) -> int:
     """The own backward's scratch (``SparseMlaBwdWorkspaceBytes`` of
     ``ffi/cuda/sparse_mla_bwd/launch.h``, which the handler checks): per-row statistics, the
-    fp32 dKV accumulator and, when deterministic, one chunk's partial rows (at most 2 GiB; a
+    fp32 dKV accumulator and, when deterministic, one chunk's bf16 partial rows (at most 2 GiB; a
     chunk short of all ``s_q`` queries and over 132 is a multiple of 132), sort keys and
     values, the CSR offsets and CUB's scratch."""
     up = lambda x: -(-x // 256) * 256
     total = 3 * up(s_q * h * 4) + up(s_kv * d_qk * 4)
     if deterministic:
-        chunk = min((1 << 31) // (k * d_qk * 4), (2**31 - 1) // k)
+        chunk = min((1 << 31) // (k * d_qk * 2), (2**31 - 1) // k)
         chunk = s_q if chunk >= s_q else max(1, chunk // 132 * 132 if chunk > 132 else chunk)
         n = chunk * k
-        total += (up(n * d_qk * 4) + 4 * up(n * 4) + 2 * up((s_kv + 1) * 4)
+        total += (up(n * d_qk * 2) + 4 * up(n * 4) + 2 * up((s_kv + 1) * 4)
                   + up((1 << 20) + 4 * n + 4 * (s_kv + 1)))
     return total
 
