@@ -1,6 +1,7 @@
 """What ``deterministic=True`` costs and gives: a GLM-5 DSA layer's training step on a GPU.
 
-    python benchmarks/layers/deterministic.py --sizes 16384,65536 [--repeats 5] [--out [FILE]]
+    python benchmarks/layers/deterministic.py --sizes 16384,65536 [--repeats 5] [--ops-only]
+        [--out [FILE]]
 
 For each sequence length (one batch row, bfloat16, GLM-5 dims, sparse mode with the indexer KL
 loss, every op on ``"cuda"``; the step of ``benchmarks/layers/dsa_layer.py``): the step's median
@@ -8,7 +9,9 @@ time with the default backward (cuDNN's, float32 atomics), with jax_dsa's own ba
 atomic mode (``JAX_DSA_SPARSE_MLA_BWD=jax_dsa``) and with ``deterministic=True`` (jax_dsa's own
 backward in its deterministic mode, d index_k in fixed point), and how many gradient elements
 differ between two runs of each on the same inputs (0 for the deterministic step: bitwise
-identical). Also ``sparse_mla`` forward+backward alone at K 2048, the three ways.
+identical). Also ``sparse_mla`` alone at K 2048 on the indexer's causal top-k, the three ways:
+forward+backward, the forward alone, and from them the backward's time and TFLOP/s (2.5 times
+the forward's FLOPs over the valid slots). ``--ops-only``: these op rows alone (e.g. at 128K).
 """
 
 from __future__ import annotations
@@ -79,7 +82,12 @@ def op_rows(c, s, repeats):
     idx = jax.jit(lambda iq, ik, w, pos: indexer_topk(
         iq, ik, w, topk=c.index_topk, q_positions=pos, kv_positions=pos,
         implementation="cuda"))(iq, ik, w, pos)
-    row = {}
+    h, d_qk = q.shape[1:]
+    pairs = int(jnp.sum(idx >= 0))  # causal: fewer than K valid slots for the first queries
+    fwd_flop = 2 * pairs * h * (d_qk + c.kv_lora_rank)
+    fwd = jax.jit(lambda q, kv, idx: sparse_mla(q, kv, idx, sm_scale=c.softmax_scale,
+                                                d_v=c.kv_lora_rank, implementation="cuda")[0])
+    row = {"valid_pairs": pairs, "forward": timed(fwd, q, kv, idx, repeats=repeats)}
     for name, det, env in MODES:
         @jax.jit
         def attn(q, kv, idx, det=det):
@@ -91,6 +99,9 @@ def op_rows(c, s, repeats):
         with backward_env(env):
             attn(q, kv, idx)  # traced here
         row[name] = timed(attn, q, kv, idx, repeats=repeats)
+        bwd_ms = row[name]["median_ms"] - row["forward"]["median_ms"]
+        row[name]["backward_ms"] = round(bwd_ms, 3)  # fwd+bwd minus the forward alone
+        row[name]["backward_tflops"] = round(2.5 * fwd_flop / bwd_ms / 1e9, 1)
     return row
 
 
@@ -98,6 +109,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="16384,65536")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ops-only", action="store_true", help="skip the layer step (op rows only)")
     common.add_result_args(p)
     a = p.parse_args(argv)
     c = get_config("glm5")
@@ -107,8 +119,8 @@ def main(argv=None):
                     "batch row, bfloat16, sparse mode with the KL loss, implementation cuda",
            "repeats": a.repeats, "sizes": {}}
     for s in [int(x) for x in a.sizes.split(",") if x]:
-        row = {"layer_fwd_bwd": layer_rows(c, s, a.repeats),
-               "sparse_mla_fwd_bwd": op_rows(c, s, a.repeats)}
+        row = {} if a.ops_only else {"layer_fwd_bwd": layer_rows(c, s, a.repeats)}
+        row["sparse_mla_fwd_bwd"] = op_rows(c, s, a.repeats)
         res["sizes"][str(s)] = row
         print(s, json.dumps(row), flush=True)
     common.write_json(common.out_path(a.out, __file__), res)
