@@ -101,7 +101,8 @@ def op_rows(c, s, repeats):
         row[name] = timed(attn, q, kv, idx, repeats=repeats)
         bwd_ms = row[name]["median_ms"] - row["forward"]["median_ms"]
         row[name]["backward_ms"] = round(bwd_ms, 3)  # fwd+bwd minus the forward alone
-        row[name]["backward_tflops"] = round(2.5 * fwd_flop / bwd_ms / 1e9, 1)
+        row[name]["backward_tflops"] = (round(2.5 * fwd_flop / bwd_ms / 1e9, 1) if bwd_ms > 0
+                                        else None)
     return row
 
 

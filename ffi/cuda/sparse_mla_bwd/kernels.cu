@@ -60,9 +60,10 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 // The deterministic mode's partial dKV rows: bf16 (half the bytes of fp32 streamed through HBM,
-// one more rounding per (query, row) before the fp32 sum: dkv's relative error 2.8-3.1e-3
-// against fp32 atomics' 2.3e-3, and 16-26% faster; benchmarks/notes/sparse_mla_bwd.md), or
-// fp32 when built with JAX_DSA_BWD_PARTIAL_BF16=0 (the glue's workspace formula assumes bf16).
+// one more rounding per (query, row), two at H 128, before the fp32 sum: dkv's relative error
+// 2.8-3.1e-3 against fp32 atomics' 2.3e-3, and 16-26% faster; benchmarks/notes/
+// sparse_mla_bwd.md), or fp32 when built with JAX_DSA_BWD_PARTIAL_BF16=0 (the selftest only: the
+// glue's workspace formula assumes bf16).
 #ifndef JAX_DSA_BWD_PARTIAL_BF16
 #define JAX_DSA_BWD_PARTIAL_BF16 1
 #endif
@@ -891,8 +892,8 @@ int64_t SparseMlaBwdChunkQueries(int64_t s_q, int64_t d, int64_t k, int64_t chun
   }
   if (c > INT32_MAX / k) c = INT32_MAX / k;  // pair ids are 32-bit
   if (c >= s_q) return s_q;
-  // Whole waves (one CTA an SM, equal work a query): 455 -> 396 queries at K 2048 / D 576 took
-  // the deterministic backward at 16K from 70.0 to 65.1 ms on an H200. A constant, not the
+  // Whole waves (one CTA an SM, equal work a query): 455 -> 396 queries at K 2048 / D 576 (fp32
+  // partial rows) took the deterministic backward at 16K from 70.0 to 65.1 ms on an H200. A constant, not the
   // device's SM count, so that the summation order is the same on every card.
   constexpr int64_t kWave = 132;
   if (automatic && c > kWave) c = c / kWave * kWave;

@@ -18,7 +18,8 @@ from jax_dsa.ops.blocks import einsum
 
 def relu(x):
     """``jax.nn.relu`` that keeps a NaN on every backend: XLA:CPU's fused ``maximum`` (jax 0.11)
-    returns 0 for it, which would turn a poisoned ``index_q`` into finite scores."""
+    returns 0 for it, which would turn a poisoned ``index_q`` into finite sparse scores (the
+    dense ones contract finite rows and put the NaN back per score, so they need not)."""
     return jnp.where(jnp.isnan(x), x, jax.nn.relu(x))
 
 
@@ -38,7 +39,7 @@ def dense_scores(qb, k, wb, acc):
     k, k_ok = _finite_rows(k)
     w_ok = jnp.isfinite(wb)
     dots = einsum("qhd,sd->qhs", qb, k, acc)
-    score = jnp.sum(relu(dots) * jnp.where(w_ok, wb, 0).astype(acc)[:, :, None], axis=1)
+    score = jnp.sum(jax.nn.relu(dots) * jnp.where(w_ok, wb, 0).astype(acc)[:, :, None], axis=1)
     ok = jnp.all(q_ok & w_ok, axis=-1)[:, None] & k_ok[None, :]
     return jnp.where(ok, score, jnp.nan)
 
