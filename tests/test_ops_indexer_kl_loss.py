@@ -123,6 +123,34 @@ def test_kl_nan_in_index_q_propagates(sparse):
         np.testing.assert_array_equal(np.nonzero(bad)[0], [t] if sparse else [], err_msg=name)
 
 
+def test_kl_sparse_inf_in_index_q_is_not_hidden_by_relu_and_empty_rows_stay_zero():
+    """An inf in index_q whose dots with every selected key are -inf (relu would make them 0):
+    the loss is NaN and that query's gradient rows too. A NaN in the index_q of a row without
+    valid slots is never read: finite loss, zero gradients for that row."""
+    rng = np.random.default_rng(15)
+    s = 8
+    iq, ik, iw, q, kv = _loss_inputs(rng, (), s, s, h_i=2, d_i=4, h=2, d_qk=8)
+    ik[:, 0] = -np.abs(ik[:, 0]) - 0.1
+    iw = np.abs(iw)
+    idx = np.tile(np.arange(4), (s, 1))
+    idx[6] = -1  # an empty row
+    iq[5, 1, 0], iq[6, 0, 0] = np.inf, np.nan
+    pos = np.arange(s)
+    loss = lambda iq, ik, iw: indexer_kl_loss(iq, ik, iw, q, kv, sm_scale=0.3, q_positions=pos,
+                                              kv_positions=pos, indices=idx)
+    value, (d_iq, d_ik, d_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(iq, ik, iw)
+    assert np.isnan(float(value))
+    for g in (d_iq, d_w):
+        bad = ~np.isfinite(np.asarray(g)).reshape(s, -1).all(-1)
+        np.testing.assert_array_equal(np.nonzero(bad)[0], [5])
+        assert np.all(np.asarray(g)[6] == 0)
+    np.testing.assert_array_equal(np.nonzero(np.isnan(np.asarray(d_ik)).any(-1))[0], [0, 1, 2, 3])
+    iq[5, 1, 0] = 0.5  # only the empty row poisoned: nothing reads it
+    value, (d_iq, _, d_w) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(iq, ik, iw)
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(d_iq)))
+    assert np.all(np.asarray(d_iq)[6] == 0) and np.all(np.asarray(d_w)[6] == 0)
+
+
 def test_kl_packed_segments_and_empty_rows():
     rng = np.random.default_rng(13)
     q_seg = np.array([0, 0, 1, 1, 1, 5, 2, 2])  # document 5 has no keys: an empty row

@@ -17,10 +17,11 @@ from jax_dsa.ops.blocks import einsum
 
 
 def relu(x):
-    """``jax.nn.relu`` that keeps a NaN on every backend: XLA:CPU's fused ``maximum`` (jax 0.11)
-    returns 0 for it, which would turn a poisoned ``index_q`` into finite sparse scores (the
-    dense ones contract finite rows and put the NaN back per score, so they need not)."""
-    return jnp.where(jnp.isnan(x), x, jax.nn.relu(x))
+    """``jax.nn.relu`` that keeps a NaN on every backend (XLA:CPU's fused ``maximum``, jax 0.11,
+    returns 0 for it) and makes ``-inf`` NaN: a dot is ``-inf`` only when an operand holds an
+    inf, which relu's 0 would hide from the loss. (The dense scores contract finite rows and put
+    the NaN back per score, so they need neither.)"""
+    return jnp.where(jnp.isnan(x) | (x == -jnp.inf), jnp.nan, jax.nn.relu(x))
 
 
 def _finite_rows(x):
@@ -44,9 +45,11 @@ def dense_scores(qb, k, wb, acc):
     return jnp.where(ok, score, jnp.nan)
 
 
-def sparse_scores(qb, rows, wb, acc):
-    """``[B, H_I, D]``, gathered ``[B, K, D]``, ``[B, H_I]`` -> ``[B, K]`` index scores."""
-    dots = einsum("qhd,qkd->qhk", qb, rows, acc)
+def sparse_scores(qb, rows, wb, acc, support):
+    """``[B, H_I, D]``, gathered ``[B, K, D]``, ``[B, H_I]`` -> ``[B, K]`` index scores; 0 outside
+    ``support [B, K]``, whose gradients are dropped (a NaN query times a zero-filled row must not
+    reach the weights' gradient of an empty row)."""
+    dots = jnp.where(support[:, None, :], einsum("qhd,qkd->qhk", qb, rows, acc), 0)
     return jnp.sum(relu(dots) * wb.astype(acc)[:, :, None], axis=1)
 
 

@@ -27,7 +27,8 @@ def block_support_and_logits(iqb, iwb, pb, sb, qb, ib, okb, ik, kv, kv_pos, kv_s
         # Slots outside the support gather zeros (their gradients are dropped): a key the query
         # cannot see is never read, so a NaN in the query never reaches that key's gradient.
         rows = jnp.where(support, ib, kv.shape[0])
-        score = sparse_scores(iqb, ik.at[rows].get(mode="fill", fill_value=0), iwb, acc)
+        score = sparse_scores(iqb, ik.at[rows].get(mode="fill", fill_value=0), iwb, acc,
+                              support & okb[:, None])
         kv_rows = kv.at[rows].get(mode="fill", fill_value=0)
         logits = einsum("qhd,qkd->qhk", qb, kv_rows, acc) * jnp.asarray(scale, acc)
     return support & okb[:, None], score, logits
