@@ -366,7 +366,7 @@ def test_a_cuda_layer_falls_back_where_the_indexer_kernels_do_not_fit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,s", [("sparse", 16384), ("dense", 4096)])
+@pytest.mark.parametrize("mode,s", [("sparse", 16384), ("sparse", 65536), ("dense", 4096)])
 def test_gpu_deterministic_layer_step_repeats_bitwise(mode, s):
     """deterministic=True: a GLM-5-dims layer's training step (the indexer KL loss included,
     every op on "cuda") gives bitwise identical gradients in two runs, and the default step's
