@@ -17,7 +17,7 @@ import pytest
 
 from jax_dsa import _native
 from jax_dsa.ops.dense_mla import dense_mla
-from jax_dsa.ops.indexer import indexer_kl_loss, indexer_topk
+from jax_dsa.ops.indexer import indexer_kl_loss, indexer_topk, v4_indexer_kl_loss
 from jax_dsa.ops.sparse_dense_mla import sparse_dense_mla
 from jax_dsa.ops.sparse_mla import sparse_mla
 
@@ -281,6 +281,26 @@ def test_indexer_topk_with_no_queries():
                        np.zeros((0, 2), np.float32), topk=3, q_positions=np.zeros((0,), np.int32),
                        kv_positions=np.arange(6), implementation="xla")
     assert np.asarray(idx).shape == (0, 3)
+
+
+@pytest.mark.parametrize("v4", [False, True])
+def test_sparse_kl_losses_with_no_queries(v4):
+    """S_q = 0 with an ``indices [0, K]`` array: a zero loss and zero gradients (the flattening
+    once reshaped to ``(…, 0, -1)``, which cannot be inferred)."""
+    rng = np.random.default_rng(8)
+    ik, kv = rng.standard_normal((6, 8)), rng.standard_normal((6, 8))
+    empty = dict(q_positions=np.zeros((0,), np.int32), kv_positions=np.arange(6),
+                 indices=np.zeros((0, 4), np.int32), sm_scale=SCALE)
+    q = np.zeros((0, 2, 8), np.float32)
+    if v4:
+        lse = np.zeros((0, 2), np.float32)
+        loss = lambda iq, ik, iw: v4_indexer_kl_loss(iq, ik, iw, q, kv, lse, **empty)
+    else:
+        loss = lambda iq, ik, iw: indexer_kl_loss(iq, ik, iw, q, kv, **empty)
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(
+        np.zeros((0, 2, 8), np.float32), ik, np.zeros((0, 2), np.float32))
+    assert float(value) == 0 and np.all(np.asarray(grads[1]) == 0)
+    assert [np.shape(g) for g in grads] == [(0, 2, 8), (6, 8), (0, 2)]
 
 
 def test_wide_positions_are_refused_not_wrapped():

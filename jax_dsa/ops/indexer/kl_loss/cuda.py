@@ -126,7 +126,8 @@ def _flat_operands(iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, idx):
         kv_seg = kv_seg.astype(jnp.int32).reshape(nb * s_kv)
     return dict(
         iq=iq.astype(bf).reshape(t, h_i, d_i), ik=ik.astype(bf).reshape(nb * s_kv, d_i),
-        iw=iw.astype(jnp.float32).reshape(t, h_i), idx=idx.astype(jnp.int32).reshape(t, -1),
+        iw=iw.astype(jnp.float32).reshape(t, h_i),
+        idx=idx.astype(jnp.int32).reshape(t, idx.shape[-1]),  # (K explicit: t may be 0)
         q_pos=q_pos.astype(jnp.int32).reshape(t), kv_pos=kv_pos.astype(jnp.int32).reshape(-1),
         q_seg=q_seg, kv_seg=kv_seg)
 

@@ -147,6 +147,7 @@ def flat_operands(batch, index_q, index_k, index_weights, visibility, q, kv, per
     main = (q.reshape((nb, s_q, h, d_qk)),
             jax.lax.stop_gradient(kv).reshape((nb, kv.shape[-2], d_qk)))
     per_head = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, h)) for x in per_head)
-    per_slot = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, -1)) for x in per_slot)
-    idx = None if indices is None else indices.astype(jnp.int32).reshape((nb, s_q, -1))
+    per_slot = tuple(jax.lax.stop_gradient(x).reshape((nb, s_q, x.shape[-1])) for x in per_slot)
+    idx = (None if indices is None  # (an explicit K: -1 cannot be inferred when S_q is 0)
+           else indices.astype(jnp.int32).reshape((nb, s_q, indices.shape[-1])))
     return flat + main + per_head + per_slot + (idx,)
