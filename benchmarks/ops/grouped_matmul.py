@@ -95,6 +95,7 @@ def jax_rows(experts, dot_and_layout, n_runs, dense):
         f_tf, fb_tf = 6 * M * D * F / f_ms / 1e9, 18 * M * D * F / b_ms / 1e9
         rows.append({"experts": e, "fwd_ms": f_ms, "fwd_tflops": f_tf, "fwd_bwd_ms": b_ms,
                      "fwd_bwd_tflops": fb_tf, "fwd_bwd_vs_matmul": fb_tf / dense})
+        print(json.dumps(rows[-1]), flush=True)  # as it comes: a run cut short keeps its rows
         del x, wg, wu, wd, dy
     return rows
 
