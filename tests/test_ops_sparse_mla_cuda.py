@@ -122,6 +122,11 @@ def test_backward_kernel_choice(value, det, want, monkeypatch):
     else:
         monkeypatch.setenv(sparse_mla_cuda.BWD_KERNEL_ENV, value)
     assert sparse_mla_cuda.backward_kernel(det) == want
+    # "auto" takes jax_dsa's backward from OWN_BWD_MIN_S_KV keys on; an explicit choice stays.
+    long = sparse_mla_cuda.OWN_BWD_MIN_S_KV
+    assert sparse_mla_cuda.backward_kernel(det, long - 1) == want
+    auto = value in (None, "", "auto")
+    assert sparse_mla_cuda.backward_kernel(det, long) == ("jax_dsa" if auto else want)
 
 
 @pytest.mark.parametrize("value,det,match", [("flash", False, "expected one of"),
@@ -144,10 +149,10 @@ def test_own_backward_workspace_matches_the_launch_code(s_q, s_kv, h, d, k):
                 == _cuda.sparse_mla_bwd_workspace_bytes(s_q, s_kv, h, d, k, det))
 
 
-def _glue_oracle(idx, length, s_kv, k_out):
+def _glue_oracle(idx, length, s_kv, k_out, sort_rows=False):
     """The backward glue's contract in numpy: each row's valid slots (in range, before
-    topk_length) as global rows first, in order, -1 after; an empty row gets row 0 of its batch
-    element."""
+    topk_length) as global rows first, in order (ascending with ``sort_rows``), -1 after; an
+    empty row gets row 0 of its batch element."""
     nb, s_q, k = idx.shape
     want = np.full((nb, s_q, k_out), -1, np.int32)
     count = np.zeros((nb, s_q), np.int32)
@@ -156,7 +161,7 @@ def _glue_oracle(idx, length, s_kv, k_out):
             valid = [int(j) + b * s_kv for pos, j in enumerate(idx[b, t])
                      if 0 <= j < s_kv and pos < length[b, t]]
             count[b, t] = len(valid)
-            want[b, t, :len(valid)] = valid
+            want[b, t, :len(valid)] = sorted(valid) if sort_rows else valid
             if not valid:
                 want[b, t, 0] = b * s_kv
     return want, np.maximum(count, 1), count == 0
@@ -206,19 +211,22 @@ def test_glue_compacts_in_one_custom_call_without_sort_or_branch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sort_rows", [False, True])
 @pytest.mark.parametrize("seed,nb,s_q,s_kv,k,k_out", [
     (2, 2, 9, 7, 5, 5), (3, 2, 9, 7, 5, 12),        # bucket padding
     (4, 1, 300, 5000, 2048, 2048),                  # one tile of the kernel exactly
-    (5, 2, 40, 900, 4500, 4608)])                   # several tiles a row
-def test_glue_on_the_gpu_matches_the_contract(seed, nb, s_q, s_kv, k, k_out):
+    (5, 2, 40, 900, 4500, 4608),                    # several tiles a row; the 4096-slot sort
+    (6, 1, 20, 70000, 8320, 8320)])                 # past the longest sorted list: in order
+def test_glue_on_the_gpu_matches_the_contract(seed, nb, s_q, s_kv, k, k_out, sort_rows):
     idx, length, s_kv = _glue_case(seed, nb, s_q, s_kv, k)
     idx[0, 0] = -1  # an empty row
     length[-1, -1] = k
     idx[-1, -1] = np.arange(k) % s_kv  # a full row
     g_idx, g_len, empty = map(np.asarray, jax.jit(
-        sparse_mla_cuda.cuda_index_glue, static_argnums=(2, 3))(
-            jnp.asarray(idx), jnp.asarray(length), s_kv, k_out))
-    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, k_out)
+        sparse_mla_cuda.cuda_index_glue, static_argnums=(2, 3, 4))(
+            jnp.asarray(idx), jnp.asarray(length), s_kv, k_out, sort_rows))
+    want, want_len, want_empty = _glue_oracle(idx, length, s_kv, k_out,
+                                              sort_rows and k <= sparse_mla_cuda.MAX_SORTED_SLOTS)
     np.testing.assert_array_equal(g_idx, want)
     np.testing.assert_array_equal(g_len, want_len)
     np.testing.assert_array_equal(empty, want_empty)

@@ -5,9 +5,10 @@
 
 For each sequence length (one batch row, bfloat16, GLM-5 dims, sparse mode with the indexer KL
 loss, every op on ``"cuda"``; the step of ``benchmarks/layers/dsa_layer.py``): the step's median
-time with the default backward (cuDNN's, float32 atomics), with jax_dsa's own backward in its
-atomic mode (``JAX_DSA_SPARSE_MLA_BWD=jax_dsa``) and with ``deterministic=True`` (jax_dsa's own
-backward in its deterministic mode, d index_k in fixed point), and how many gradient elements
+time with the default backward (``"auto"``: cuDNN's below ``OWN_BWD_MIN_S_KV`` keys, jax_dsa's
+atomic mode from there on), with cuDNN's (``JAX_DSA_SPARSE_MLA_BWD=cudnn``, float32 atomics),
+with jax_dsa's own backward in its atomic mode (``=jax_dsa``) and with ``deterministic=True``
+(jax_dsa's own backward in its deterministic mode, d index_k in fixed point), and how many gradient elements
 differ between two runs of each on the same inputs (0 for the deterministic step: bitwise
 identical). Also ``sparse_mla`` alone at K 2048 on the indexer's causal top-k, the three ways:
 forward+backward, the forward alone, and from them the backward's time and TFLOP/s (2.5 times
@@ -36,8 +37,8 @@ from jax_dsa.configs import get_config  # noqa: E402
 from jax_dsa.ops.sparse_mla.cuda import BWD_KERNEL_ENV  # noqa: E402
 
 # (name, deterministic, JAX_DSA_SPARSE_MLA_BWD while tracing)
-MODES = (("default", False, "auto"), ("jax_dsa_atomic", False, "jax_dsa"),
-         ("deterministic", True, "auto"))
+MODES = (("default", False, "auto"), ("cudnn", False, "cudnn"),
+         ("jax_dsa_atomic", False, "jax_dsa"), ("deterministic", True, "auto"))
 
 
 @contextlib.contextmanager

@@ -8,6 +8,9 @@
 //   --bench-only                         skip the correctness cases
 //   --chunk N                            the bench's deterministic chunk of N queries (default:
 //                                        the automatic one)
+//   --causal                             the bench's lists: query t picks min(K, t + 1) distinct
+//                                        keys of [0, t], the rest -1 (default: K of all S_kv)
+//   --sorted                             the bench's lists sorted by kv row (-1 last)
 // Exit code 0 only when every check passes.
 //
 // Build (from the repository root):
@@ -47,6 +50,7 @@ using bf16 = __nv_bfloat16;
 
 static const double kInf = std::numeric_limits<double>::infinity();
 static int64_t g_chunk = 0;  // --chunk (bench)
+static bool g_causal = false, g_sorted = false;  // --causal, --sorted (bench)
 
 float B2F(bf16 v) { return __bfloat162float(v); }
 bf16 F2B(float v) { return __float2bfloat16(v); }
@@ -414,21 +418,45 @@ __global__ void FillF32(float* p, size_t n, float v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
 __device__ int64_t Gcd(int64_t a, int64_t b) { while (b) { const int64_t t = a % b; a = b; b = t; } return a; }
-// Distinct indices a row: (a_t j + b_t) mod S_kv with gcd(a_t, S_kv) = 1 (K <= S_kv).
-__global__ void FillIdx(int32_t* idx, int32_t* len, int64_t s_q, int64_t k, int64_t s_kv) {
+// Distinct indices a row: (a_t j + b_t) mod n with gcd(a_t, n) = 1, n = S_kv, or causal
+// n = t + 1 (query t at position t) with the slots past n set to -1 (K <= S_kv).
+__global__ void FillIdx(int32_t* idx, int32_t* len, int64_t s_q, int64_t k, int64_t s_kv, bool causal) {
   const int64_t t = blockIdx.x;
   if (t >= s_q) return;
-  int64_t a = int64_t(Mix(t * 2 + 1) % uint64_t(s_kv)), b = int64_t(Mix(t * 2 + 2) % uint64_t(s_kv));
+  const int64_t n = causal ? (t + 1 < s_kv ? t + 1 : s_kv) : s_kv;
+  int64_t a = int64_t(Mix(t * 2 + 1) % uint64_t(n)), b = int64_t(Mix(t * 2 + 2) % uint64_t(n));
   if (a == 0) a = 1;
-  while (Gcd(a, s_kv) != 1) a = (a + 1) % s_kv;
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) idx[t * k + j] = int32_t((a * j + b) % s_kv);
-  if (threadIdx.x == 0) len[t] = int32_t(k);
+  while (Gcd(a, n) != 1) a = (a + 1) % n;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) idx[t * k + j] = j < n ? int32_t((a * j + b) % n) : -1;
+  if (threadIdx.x == 0) len[t] = int32_t(k < n ? k : n);  // the valid slots come first
+}
+// --sorted: each list ascending as unsigned (so -1 goes last), one CTA a list (bitonic in shared
+// memory, K a power of two up to 4096).
+__global__ void SortIdx(int32_t* idx, int64_t k) {
+  extern __shared__ uint32_t keys[];
+  int32_t* row = idx + blockIdx.x * k;
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) keys[j] = uint32_t(row[j]);
+  __syncthreads();
+  for (int64_t size = 2; size <= k; size <<= 1)
+    for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int64_t i = threadIdx.x; i < k; i += blockDim.x) {
+        const int64_t j = i ^ stride;
+        if (j > i) {
+          const bool up = (i & size) == 0;
+          const uint32_t x = keys[i], y = keys[j];
+          if ((x > y) == up) { keys[i] = y; keys[j] = x; }
+        }
+      }
+      __syncthreads();
+    }
+  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) row[j] = int32_t(keys[j]);
 }
 
 int Bench(int64_t S) {
   const int64_t SQ = S, SKV = S, H = 64, D = 576, K = 2048;
-  printf("bench: S_q = S_kv = %lld, H %lld, D %lld, d_v %d, K %lld, indices distinct uniform, all valid\n",
-         (long long)SQ, (long long)H, (long long)D, kDv, (long long)K);
+  printf("bench: S_q = S_kv = %lld, H %lld, D %lld, d_v %d, K %lld, indices distinct uniform%s%s\n",
+         (long long)SQ, (long long)H, (long long)D, kDv, (long long)K,
+         g_causal ? ", causal (-1 past the visible keys)" : ", all valid", g_sorted ? ", sorted by row" : "");
   bf16 *q, *kv, *out, *dout, *dq, *dkv;
   float *lse, *sink, *dsink;
   int32_t *idx, *len;
@@ -443,11 +471,14 @@ int Bench(int64_t S) {
   // |s| is small at these scales (q, kv in [-1, 1), scale 1/24): lse ~ log K keeps p below 1.
   FillF32<<<1024, 256>>>(lse, SQ * H, 8.f);
   FillF32<<<1, 64>>>(sink, H, 0.f);
-  FillIdx<<<unsigned(SQ), 256>>>(idx, len, SQ, K, SKV);
+  FillIdx<<<unsigned(SQ), 256>>>(idx, len, SQ, K, SKV, g_causal);
+  if (g_sorted) SortIdx<<<unsigned(SQ), 512, K * 4>>>(idx, K);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
-  const double fwd = 2.0 * SQ * K * H * (D + kDv);
-  printf("  FLOP counted: 2.5 x forward, forward = 2 * S_q * K * H * (D + d_v) = %.3e -> %.3e\n", fwd, 2.5 * fwd);
+  double pairs = 0;  // valid (query, slot) pairs
+  for (int64_t t = 0; t < SQ; ++t) pairs += double(g_causal ? std::min(K, std::min(t + 1, SKV)) : K);
+  const double fwd = 2.0 * pairs * H * (D + kDv);
+  printf("  FLOP counted: 2.5 x forward, forward = 2 * valid pairs * H * (D + d_v) = %.3e -> %.3e\n", fwd, 2.5 * fwd);
   int rc = 0;
   for (int det = 0; det < 2; ++det) {
     SparseMlaBwdParams p;
@@ -504,8 +535,10 @@ int main(int argc, char** argv) {
     else if (a == "--bench-s" && i + 1 < argc) { bench = only = true; bench_s = atoll(argv[++i]); }
     else if (a == "--case" && i + 1 < argc) filter = argv[++i];
     else if (a == "--chunk" && i + 1 < argc) g_chunk = atoll(argv[++i]);
+    else if (a == "--causal") g_causal = true;
+    else if (a == "--sorted") g_sorted = true;
     else {
-      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--chunk N]\n",
+      fprintf(stderr, "usage: %s [--bench] [--bench-only] [--bench-s N] [--case NAME] [--chunk N] [--causal] [--sorted]\n",
               argv[0]);
       return 2;
     }

@@ -46,6 +46,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -92,9 +93,26 @@ __device__ __forceinline__ void RegAlloc() { asm volatile("setmaxnreg.inc.sync.a
 template <int N>
 __device__ __forceinline__ void RegDealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ void RedAddV4(float* p, float4 v) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y),
-               "f"(v.z), "f"(v.w)
+// L2 eviction priorities: the fp32 dKV accumulator (read-modified-written ~K S_q / S_kv times a
+// row) evict_last, Q and dO (read once a query) evict_first: 8.5 % off the atomic mode at 16K
+// (benchmarks/notes/sparse_mla_bwd.md, session 35).
+__device__ __forceinline__ uint64_t PolicyEvictLast() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t PolicyEvictFirst() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void RedAddV4(float* p, float4 v, uint64_t pol) {
+  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(p), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w), "l"(pol)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync16Hint(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(pol)
                : "memory");
 }
 
@@ -241,7 +259,7 @@ __device__ __forceinline__ int BlockRow(const MainArgs& a, int64_t t, int len, i
 // ones add: same thread, same address, a fixed order).
 template <bool DET>
 __device__ __forceinline__ void DkvStoreV4(const float4 (&v)[8], bool valid, float* acc, Partial* part,
-                                           bool first) {
+                                           bool first, uint64_t pol) {
   if (!valid) return;
   if constexpr (DET) {
 #pragma unroll
@@ -267,7 +285,7 @@ __device__ __forceinline__ void DkvStoreV4(const float4 (&v)[8], bool valid, flo
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) RedAddV4(acc + 8 * j, v[j]);
+    for (int j = 0; j < 8; ++j) RedAddV4(acc + 8 * j, v[j], pol);
   }
 }
 
@@ -371,6 +389,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
     // row's 512 contiguous bytes a warp instruction): chunk c's offset WgChunk(r, c, 64) is
     // ChunkOff(r, lane) + m * 4 * 8192 (c >> 3 = (lane >> 3) + 4 m, c & 7 = lane & 7).
     RegDealloc<kRegP>();
+    const uint64_t pol_first = PolicyEvictFirst();
     auto ChunkOff = [](int r, int ln) { return uint32_t((ln >> 3) * 8192 + r * 128 + (((ln ^ r) & 7) << 4)); };
     const uint32_t sQ = s_base0 + L::kQ, sDo = s_base0 + L::kDo, sKv = s_base0 + L::kKv;
     for (int ht = 0; ht < n_ht; ++ht) {
@@ -401,10 +420,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
             const uint32_t off = ChunkOff(r, lane);
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-              CpAsync16(sQ + off + m * 4 * 8192, qs + m * 256);
-              CpAsync16(sDo + off + m * 4 * 8192, ds + m * 256);
+              CpAsync16Hint(sQ + off + m * 4 * 8192, qs + m * 256, pol_first);
+              CpAsync16Hint(sDo + off + m * 4 * 8192, ds + m * 256, pol_first);
             }
-            if (ROPE && lane < 8) CpAsync16(sQ + off + 8 * 8192, qs + 512);
+            if (ROPE && lane < 8) CpAsync16Hint(sQ + off + 8 * 8192, qs + 512, pol_first);
           }
           CpAsyncCommit();
           CpAsyncWaitGroup<1>();  // the kv group
@@ -546,6 +565,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
   const bool even = (q4 & 1) == 0;
   const int slot = 16 * wi + g + (even ? 0 : 8);
   const int colq = 2 * (q4 & ~1);
+  const uint64_t pol_last = DET ? 0 : PolicyEvictLast();
   for (int ht = 0; ht < n_ht; ++ht) {
 #pragma unroll
     for (int n = 0; n < 4; ++n)
@@ -617,7 +637,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
         float4 v[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, even);
-        DkvStoreV4<DET>(v, row >= 0, DET ? nullptr : adst + 64 * c, DET ? pdst + 64 * c : nullptr, ht == 0);
+        DkvStoreV4<DET>(v, row >= 0, DET ? nullptr : adst + 64 * c, DET ? pdst + 64 * c : nullptr, ht == 0,
+                        pol_last);
       }
       MbarArrive(pds_empty);  // every dKV wgmma (P, dS, Q, dO reads) has completed
       if (b == nblk - 1) MbarArrive(q_empty);
@@ -795,6 +816,21 @@ cudaError_t LaunchMain(unsigned grid, const MainArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The atomic mode's queries a launch. When the fp32 dKV accumulator exceeds the L2 cache, one
+// launch per wave of one-CTA-an-SM queries: the CTAs of a launch then walk their lists (sorted by
+// row in the glue) in step, so their reductions and gathers share a narrow row window that stays
+// in L2 (at 128K, causal, H100: 649 -> 448 ms; at 16K, where the accumulator fits, the launches'
+// tails cost 10 %: one launch; benchmarks/notes/sparse_mla_bwd.md, session 35).
+cudaError_t AtomicWave(int64_t s_kv, int64_t d, int64_t& wave) {
+  int dev = 0, sms = 0, l2 = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+  if (e != cudaSuccess) return e;
+  wave = s_kv * d * 4 > int64_t(l2) && sms > 0 ? sms : INT64_MAX;
+  return cudaSuccess;
+}
+
 template <int D>
 cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t stream) {
   char* ws = static_cast<char*>(p.workspace);
@@ -833,7 +869,14 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
 
   if (!p.deterministic) {
     if ((e = SetMainSmem<D, false>()) != cudaSuccess) return e;
-    if ((e = LaunchMain<D, false>(unsigned(p.s_q), a, stream)) != cudaSuccess) return e;
+    int64_t wave = 0;
+    if ((e = AtomicWave(p.s_kv, D, wave)) != cudaSuccess) return e;
+    for (int64_t t0 = 0; t0 < p.s_q; t0 += wave) {
+      a.t0 = t0;
+      const int64_t nq = p.s_q - t0 < wave ? p.s_q - t0 : wave;
+      if ((e = LaunchMain<D, false>(unsigned(nq), a, stream)) != cudaSuccess) return e;
+    }
+    a.t0 = 0;
   } else {
     if ((e = SetMainSmem<D, true>()) != cudaSuccess) return e;
     a.partial = reinterpret_cast<Partial*>(ws + L.partial);

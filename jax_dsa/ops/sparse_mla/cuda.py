@@ -4,7 +4,10 @@ own (``ffi/cuda/sparse_mla_bwd``), all compiled ahead of time into the ``_cuda``
 
 Which backward runs: ``deterministic=True`` always takes jax_dsa's (the only deterministic one);
 otherwise the environment variable ``JAX_DSA_SPARSE_MLA_BWD`` (read when the op is traced):
-``"auto"`` (the default: cuDNN's), ``"cudnn"`` or ``"jax_dsa"``.
+``"auto"`` (the default: cuDNN's below ``OWN_BWD_MIN_S_KV`` keys a batch element, jax_dsa's from
+there on, where it is the faster: ``benchmarks/notes/sparse_mla_bwd.md``), ``"cudnn"`` or
+``"jax_dsa"``. The backward's glue sorts each query's valid slots by kv row, which keeps the
+reductions of concurrently running queries in one narrow row window.
 
 Shapes follow :func:`jax_dsa.sparse_mla` after it folds the batch dims into one:
 ``q [B, S_q, H, D_qk]``, ``kv [B, S_kv, D_qk]``, ``indices [B, S_q, K]`` int32,
@@ -28,7 +31,11 @@ CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
 OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward
 BWD_KERNEL_ENV = "JAX_DSA_SPARSE_MLA_BWD"
 BWD_KERNELS = ("auto", "cudnn", "jax_dsa")
-COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's stable partition
+# "auto" takes jax_dsa's backward from this many keys a batch element (benchmarks/layers/
+# deterministic.py --ops-only: the crossover of the two on causal top-k lists).
+OWN_BWD_MIN_S_KV = 65536
+COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's partition (or row sort)
+MAX_SORTED_SLOTS = 8192  # kMaxSortSlots of ffi/cuda/slot_compact/launch.h
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
 # -1 to the smallest slot bucket >= K (past the last, the wide variant takes K as it is);
 # topk_length makes the kernel stop at each row's valid count.
@@ -206,8 +213,9 @@ def own_backward_workspace_bytes(s_q: int, s_kv: int, h: int, d_qk: int, k: int,
     return total
 
 
-def backward_kernel(deterministic: bool) -> str:
-    """``"cudnn"`` or ``"jax_dsa"``: the backward a call runs (module docstring).
+def backward_kernel(deterministic: bool, s_kv: int | None = None) -> str:
+    """``"cudnn"`` or ``"jax_dsa"``: the backward a call runs (module docstring); ``s_kv``: keys a
+    batch element (None: "auto" takes cuDNN's).
 
     Raises:
       ValueError: ``JAX_DSA_SPARSE_MLA_BWD`` is not one of ``BWD_KERNELS``, or is ``"cudnn"``
@@ -221,7 +229,9 @@ def backward_kernel(deterministic: bool) -> str:
             raise ValueError(f"{BWD_KERNEL_ENV}=cudnn with deterministic=True: cuDNN's backward "
                              "is not deterministic; unset it or use 'jax_dsa'")
         return "jax_dsa"
-    return "cudnn" if choice == "auto" else choice
+    if choice == "auto":
+        return "jax_dsa" if s_kv is not None and s_kv >= OWN_BWD_MIN_S_KV else "cudnn"
+    return choice
 
 
 def cuda_slot_rows(indices, topk_length, s_kv):
@@ -240,25 +250,30 @@ def cuda_slot_rows(indices, topk_length, s_kv):
     return rows, jnp.maximum(count, 1), empty
 
 
-def compact_slots(rows, k_out: int):
+def compact_slots(rows, k_out: int, n_rows: int | None = None):
     """``rows [T, K]`` int32 -> ``[T, k_out]`` (``k_out >= K``): each row's entries >= 0 moved to
-    its front in their order, -1 after. One kernel of the ``_cuda`` module (a block scan a row),
-    without the host round trip or the sort an XLA partition would need."""
+    its front, -1 after; in their order, or ascending when ``n_rows`` (every entry is below it)
+    is given and ``K <= MAX_SORTED_SLOTS``. One kernel of the ``_cuda`` module (a block scan or a
+    block radix sort a row), without the host round trip or the sort an XLA partition would
+    need."""
     t, k = rows.shape
     if k_out < k:
         raise ValueError(f"compact_slots: k_out={k_out} must be >= K={k}")
+    key_bits = 0 if n_rows is None or k > MAX_SORTED_SLOTS else max(1, int(n_rows).bit_length())
     return jax.ffi.ffi_call(COMPACT_TARGET, jax.ShapeDtypeStruct((t, k_out), jnp.int32),
-                            vmap_method="sequential")(rows)
+                            vmap_method="sequential")(rows, key_bits=np.int32(key_bits))
 
 
-def cuda_index_glue(indices, topk_length, s_kv, k_out=None):
+def cuda_index_glue(indices, topk_length, s_kv, k_out=None, sort_rows=False):
     """``[B, S_q, K]`` indices -> (``[B, S_q, k_out]`` global rows with the valid slots first and
     -1 after, per-row count >= 1, rows that had no valid slot): :func:`cuda_slot_rows`, then
-    :func:`compact_slots` (``k_out`` defaults to ``K``)."""
+    :func:`compact_slots` (``k_out`` defaults to ``K``; ``sort_rows``: the valid slots in
+    ascending row, up to ``MAX_SORTED_SLOTS`` slots, else in their order)."""
     nb, s_q, k = indices.shape
     k_out = k if k_out is None else k_out
     rows, length, empty = cuda_slot_rows(indices, topk_length, s_kv)
-    idx = compact_slots(rows.reshape(nb * s_q, k), k_out).reshape(nb, s_q, k_out)
+    idx = compact_slots(rows.reshape(nb * s_q, k), k_out,
+                        n_rows=nb * s_kv if sort_rows else None).reshape(nb, s_q, k_out)
     return idx, length, empty
 
 
@@ -269,7 +284,8 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
 
     Glue around the kernel's contract: batch folded into tokens (indices offset by
     ``b * S_kv``); slots out of range or past ``topk_length`` set to -1 and the valid ones moved
-    to the front (stable), so ``topk_length`` = valid count; slots padded with -1 to a bucket;
+    to the front in ascending row (past ``MAX_SORTED_SLOTS`` slots: in their order), so
+    ``topk_length`` = valid count; slots padded with -1 to a bucket;
     heads padded to 64 or 128 (zero q/out/dout, lse +inf, sink -inf); rows without a valid slot
     get one slot (row 0 of their batch element) with dout 0 and lse +inf, because the kernel needs
     at least one (as NVIDIA/Megatron-LM's DSA does); then everything un-padded.
@@ -277,7 +293,7 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     nb, s_q, h, d_qk, s_kv, k, hp = _cuda_dims(q, kv, indices, d_v)
     kb = slot_bucket(k)
 
-    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv, kb)
+    idx, length, empty = cuda_index_glue(indices, topk_length, s_kv, kb, sort_rows=True)
 
     bf = jnp.bfloat16
     dout = jnp.where(empty[..., None, None], 0, dout.astype(bf))
@@ -294,22 +310,22 @@ def cuda_backward(q, kv, indices, attn_sink, topk_length, out, lse, dout, *, sm_
     dq, dkv, dsink = cuda_backward_rows(
         q.reshape(t, hp, d_qk), kv.astype(bf).reshape(nb * s_kv, d_qk), out.reshape(t, hp, d_v),
         dout.reshape(t, hp, d_v), lse.reshape(t, hp), sink, idx.reshape(t, kb),
-        length.reshape(t), sm_scale=sm_scale, deterministic=deterministic)
+        length.reshape(t), sm_scale=sm_scale, deterministic=deterministic, s_kv=s_kv)
     dq = dq.reshape(nb, s_q, hp, d_qk)[:, :, :h]
     return dq, dkv.reshape(nb, s_kv, d_qk), dsink[:h]
 
 
 def cuda_backward_rows(q, kv, out, dout, lse, sink, rows, length, *, sm_scale,
-                       deterministic=False):
+                       deterministic=False, s_kv=None):
     """The backward kernel's call on folded, padded operands: ``q [T, Hp, D_qk]``, ``kv [R,
     D_qk]``, ``out`` / ``dout [T, Hp, d_v]`` bfloat16, ``lse [T, Hp]`` and ``sink [Hp]`` float32,
     ``rows [T, Kb]`` int32 (kv rows, the valid ones first and -1 after; ``Kb`` a slot bucket)
     and ``length [T]`` (each row's valid count, >= 1). Returns ``(dq [T, Hp, D_qk] bf16, dkv [R,
     D_qk] bf16, d_sink [Hp] float32)``. ``deterministic``: jax_dsa's own kernel, which sums
-    dkv in a fixed order (bitwise reproducible); else :func:`backward_kernel`'s choice (both
-    sum dkv with fp32 atomics)."""
+    dkv in a fixed order (bitwise reproducible); else :func:`backward_kernel`'s choice for
+    ``s_kv`` keys a batch element (both sum dkv with fp32 atomics)."""
     t, hp, d_qk = q.shape
-    if backward_kernel(deterministic) == "jax_dsa":
+    if backward_kernel(deterministic, s_kv) == "jax_dsa":
         ws = own_backward_workspace_bytes(t, kv.shape[0], hp, d_qk, rows.shape[1], deterministic)
         target, attrs = OWN_BWD_TARGET, {"deterministic": bool(deterministic)}
     else:
