@@ -143,6 +143,7 @@ bool RunOnce(const Case& c, Dev& d, bool det, Outputs& o) {
   p.sm_scale = float(1.0 / std::sqrt(double(c.d)));
   p.deterministic = det;
   p.chunk_queries = c.chunk;
+  p.wave_queries = c.chunk;  // the atomic mode in launches of as many queries (several a case)
   cudaError_t e = LaunchSparseMlaBwd(p, 0);
   if (e != cudaSuccess) { printf("    launch failed: %s\n", cudaGetErrorString(e)); return false; }
   e = cudaDeviceSynchronize();

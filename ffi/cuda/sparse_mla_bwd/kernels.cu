@@ -869,8 +869,8 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
 
   if (!p.deterministic) {
     if ((e = SetMainSmem<D, false>()) != cudaSuccess) return e;
-    int64_t wave = 0;
-    if ((e = AtomicWave(p.s_kv, D, wave)) != cudaSuccess) return e;
+    int64_t wave = p.wave_queries;
+    if (wave <= 0 && (e = AtomicWave(p.s_kv, D, wave)) != cudaSuccess) return e;
     for (int64_t t0 = 0; t0 < p.s_q; t0 += wave) {
       a.t0 = t0;
       const int64_t nq = p.s_q - t0 < wave ? p.s_q - t0 : wave;

@@ -51,6 +51,9 @@ struct SparseMlaBwdParams {
   // whole waves of the 132 SMs of an H100 SXM or H200). The chunk fixes the summation order:
   // results repeat for a given chunk. Must be the value given to SparseMlaBwdWorkspaceBytes.
   int64_t chunk_queries = 0;
+  // Atomic mode: queries a launch (0: automatic: one wave of one-CTA-an-SM queries a launch when
+  // the fp32 dKV accumulator exceeds the L2 cache, else all in one launch). Speed only.
+  int64_t wave_queries = 0;
 };
 
 // The chunk the deterministic mode uses for these sizes (chunk_queries 0: automatic).
