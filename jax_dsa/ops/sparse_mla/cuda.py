@@ -31,9 +31,10 @@ CUDA_BWD_TARGET = "jax_dsa_dsa_bwd_cuda"
 OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward
 BWD_KERNEL_ENV = "JAX_DSA_SPARSE_MLA_BWD"
 BWD_KERNELS = ("auto", "cudnn", "jax_dsa")
-# "auto" takes jax_dsa's backward from this many keys a batch element (benchmarks/layers/
-# deterministic.py --ops-only: the crossover of the two on causal top-k lists).
-OWN_BWD_MIN_S_KV = 65536
+# "auto" takes jax_dsa's backward from this many keys a batch element: at 128K (causal, K 2048,
+# row-sorted lists, one H100) ours 448 ms against cuDNN's 540; 64K and 32K not yet compared
+# (benchmarks/notes/sparse_mla_bwd.md, session 35).
+OWN_BWD_MIN_S_KV = 131072
 COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's partition (or row sort)
 MAX_SORTED_SLOTS = 8192  # kMaxSortSlots of ffi/cuda/slot_compact/launch.h
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
