@@ -21,6 +21,7 @@
 //                          accumulator (DET = false) or stored as partial rows (DET = true)
 //                   handing off through mbarriers, so that B's reductions of block n run under
 //                   the gather and A's MMAs of block n + 1 (details above the kernel).
+//                   Atomic mode: one launch a wave of queries once dKV outgrows L2 (AtomicWave).
 //   KeysKernel / cub scan / cub radix sort / ReduceKernel   (deterministic mode, per chunk)
 //   ConvertKernel   fp32 accumulator -> bf16 dkv.
 //
@@ -46,7 +47,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -94,7 +94,7 @@ template <int N>
 __device__ __forceinline__ void RegDealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 // L2 eviction priorities: the fp32 dKV accumulator (read-modified-written ~K S_q / S_kv times a
-// row) evict_last, Q and dO (read once a query) evict_first: 8.5 % off the atomic mode at 16K
+// row) evict_last, Q and dO (read once a query) evict_first: 8.6 % off the atomic mode at 16K
 // (benchmarks/notes/sparse_mla_bwd.md, session 35).
 __device__ __forceinline__ uint64_t PolicyEvictLast() {
   uint64_t p;
