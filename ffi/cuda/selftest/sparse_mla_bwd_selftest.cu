@@ -16,7 +16,7 @@
 // Build (from the repository root):
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I ffi -lineinfo -Xptxas=-warn-spills \
 //     -o .gpu/bin/sparse_mla_bwd_selftest ffi/cuda/selftest/sparse_mla_bwd_selftest.cu \
-//     ffi/cuda/sparse_mla_bwd/kernels.cu
+//     ffi/cuda/sparse_mla_bwd/kernels.cu ffi/cuda/slot_compact/kernels.cu
 // (plain -arch=sm_90a also embeds compute_90 PTX with nvcc 13, which cannot hold wgmma.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/slot_compact/launch.h"
 #include "cuda/sparse_mla_bwd/launch.h"
 
 using namespace jax_dsa::sparse_mla_bwd;
@@ -431,27 +432,6 @@ __global__ void FillIdx(int32_t* idx, int32_t* len, int64_t s_q, int64_t k, int6
   for (int64_t j = threadIdx.x; j < k; j += blockDim.x) idx[t * k + j] = j < n ? int32_t((a * j + b) % n) : -1;
   if (threadIdx.x == 0) len[t] = int32_t(k < n ? k : n);  // the valid slots come first
 }
-// --sorted: each list ascending as unsigned (so -1 goes last), one CTA a list (bitonic in shared
-// memory, K a power of two up to 4096).
-__global__ void SortIdx(int32_t* idx, int64_t k) {
-  extern __shared__ uint32_t keys[];
-  int32_t* row = idx + blockIdx.x * k;
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) keys[j] = uint32_t(row[j]);
-  __syncthreads();
-  for (int64_t size = 2; size <= k; size <<= 1)
-    for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int64_t i = threadIdx.x; i < k; i += blockDim.x) {
-        const int64_t j = i ^ stride;
-        if (j > i) {
-          const bool up = (i & size) == 0;
-          const uint32_t x = keys[i], y = keys[j];
-          if ((x > y) == up) { keys[i] = y; keys[j] = x; }
-        }
-      }
-      __syncthreads();
-    }
-  for (int64_t j = threadIdx.x; j < k; j += blockDim.x) row[j] = int32_t(keys[j]);
-}
 
 int Bench(int64_t S) {
   const int64_t SQ = S, SKV = S, H = 64, D = 576, K = 2048;
@@ -473,7 +453,16 @@ int Bench(int64_t S) {
   FillF32<<<1024, 256>>>(lse, SQ * H, 8.f);
   FillF32<<<1, 64>>>(sink, H, 0.f);
   FillIdx<<<unsigned(SQ), 256>>>(idx, len, SQ, K, SKV, g_causal);
-  if (g_sorted) SortIdx<<<unsigned(SQ), 512, K * 4>>>(idx, K);
+  if (g_sorted) {  // the glue's row sort (slot_compact), as the JAX op runs it
+    int32_t* unsorted;
+    CK(cudaMalloc(&unsorted, SQ * K * 4));
+    CK(cudaMemcpy(unsorted, idx, SQ * K * 4, cudaMemcpyDeviceToDevice));
+    int bits = 1;
+    while ((int64_t(1) << bits) <= SKV) ++bits;
+    CK(jax_dsa::LaunchCompactSlots(unsorted, idx, SQ, K, K, bits, 0));
+    CK(cudaDeviceSynchronize());
+    CK(cudaFree(unsorted));
+  }
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   double pairs = 0;  // valid (query, slot) pairs
