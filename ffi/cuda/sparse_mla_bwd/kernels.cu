@@ -876,7 +876,6 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
       const int64_t nq = p.s_q - t0 < wave ? p.s_q - t0 : wave;
       if ((e = LaunchMain<D, false>(unsigned(nq), a, stream)) != cudaSuccess) return e;
     }
-    a.t0 = 0;
   } else {
     if ((e = SetMainSmem<D, true>()) != cudaSuccess) return e;
     a.partial = reinterpret_cast<Partial*>(ws + L.partial);
