@@ -303,6 +303,7 @@ __device__ __forceinline__ void DkvStoreV4(const float4 (&v)[8], bool valid, flo
 // to an eighth of the L2 requests. Quads g and g ^ 1 (lane ^ 4) trade half their values; within
 // a chunk, column n = 8 j + 2 q4 + e sits at FakeCol(n) = 32 (j >> 2) + 8 q4 + 2 (j & 3) + e,
 // which ConvertKernel undoes (the deterministic mode's partial rows and their sums keep it too).
+// Off by default until measured (benchmarks/notes/sparse_mla_bwd.md, session 37).
 __host__ __device__ constexpr int FakeCol(int n) {
   return 32 * (n >> 5) + 8 * ((n >> 1) & 3) + 2 * ((n >> 3) & 3) + (n & 1);
 }
