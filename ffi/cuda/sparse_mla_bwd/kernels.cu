@@ -1046,8 +1046,7 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
   }
   const int64_t n4 = p.s_kv * D / 4;
   const int64_t cblocks = (n4 + 255) / 256;
-  const bool fake = JAX_DSA_BWD_FULLLINE;
-  (fake ? ConvertKernel<true> : ConvertKernel<false>)<<<unsigned(cblocks < 65536 ? cblocks : 65536), 256, 0, stream>>>(
+  ConvertKernel<JAX_DSA_BWD_FULLLINE != 0><<<unsigned(cblocks < 65536 ? cblocks : 65536), 256, 0, stream>>>(
       reinterpret_cast<const float4*>(accum), static_cast<uint2*>(p.dkv), n4);
   return cudaGetLastError();
 }
