@@ -149,16 +149,21 @@ def dense_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, segments=True, shuffle=False)
 
 
 def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None, scores=None):
-    def loss(iq, ik, iw):
+    """value_and_grad in (index_q, index_k, index_weights). Every tensor is an argument: closed
+    over, they would be constants that XLA folds through the loss at compile time (~15 s)."""
+    def loss(iq, ik, iw, x, lse, scores):
         return op(iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
                   kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
-                  indices=None if x.get("dense") else x["idx"], attention_lse=lse,
-                  index_scores=scores, implementation=impl)
+                  indices=x.get("idx"), attention_lse=lse, index_scores=scores,
+                  implementation=impl)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if jit:
         f = jax.jit(f)
-    return f(x["iq"], x["ik"], x["iw"])
+    tensors = {k: v for k, v in x.items() if k != "dense"}
+    if x.get("dense"):
+        tensors["idx"] = None  # the oracle's slot list, not the op's
+    return f(x["iq"], x["ik"], x["iw"], tensors, lse, scores)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,10 +258,11 @@ def test_dense_glue_matches_the_oracle(reference_kernels, monkeypatch, given_lse
     want_l, want_g = loss_and_grads(reference_kernels, x, sm_scale, "xla", lse=lse)
     np.testing.assert_allclose(got_l, want_l, rtol=tol)
     # Not differentiated: the forward alone (its own passes), the same loss.
-    plain = jax.jit(lambda iq, ik, iw: reference_kernels(
-        iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
+    plain = jax.jit(lambda iq, ik, iw, q, kv, lse: reference_kernels(
+        iq, ik, iw, q, kv, sm_scale=sm_scale, q_positions=x["q_pos"],
         kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
-        attention_lse=lse, implementation="cuda"))(x["iq"], x["ik"], x["iw"])
+        attention_lse=lse, implementation="cuda"))(x["iq"], x["ik"], x["iw"], x["q"], x["kv"],
+                                                   lse)
     np.testing.assert_allclose(plain, ref[0], rtol=tol)
 
 
