@@ -26,16 +26,16 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if _DEVICE_COUNT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {_DEVICE_COUNT_FLAG}=8".strip()
 
+GPU_MODULES = ("_cuda", "_cuda_indexer")
+
 
 def pytest_configure(config):
-    # The suite compiles thousands of small programs and runs each once: without LLVM's
-    # optimisations they compile faster and `make test` takes a third less time (1,160 s ->
-    # 750 s on 2 cores). Not for `-m gpu`, where XLA's own GPU kernels run at real sizes.
+    # The suite compiles thousands of small programs and runs each once: unoptimised, they
+    # compile sooner (`make test` a third faster). Not for `-m gpu`: XLA's GPU kernels run at
+    # real sizes there.
     flags = os.environ.get("XLA_FLAGS", "")
     if _OPT_LEVEL_FLAG not in flags and (config.getoption("markexpr", "") or "").strip() != "gpu":
         os.environ["XLA_FLAGS"] = f"{flags} {_OPT_LEVEL_FLAG}=0".strip()
-
-GPU_MODULES = ("_cuda", "_cuda_indexer")
 
 
 @functools.cache

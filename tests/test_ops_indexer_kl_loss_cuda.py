@@ -151,19 +151,17 @@ def dense_inputs(rng, nb, s_q, s_kv, h, d_qk, h_i, segments=True, shuffle=False)
 def loss_and_grads(op, x, sm_scale, impl, jit=True, lse=None, scores=None):
     """value_and_grad in (index_q, index_k, index_weights). Every tensor is an argument: closed
     over, they would be constants that XLA folds through the loss at compile time (~15 s)."""
-    def loss(iq, ik, iw, x, lse, scores):
+    def loss(iq, ik, iw, x, idx, lse, scores):
         return op(iq, ik, iw, x["q"], x["kv"], sm_scale=sm_scale, q_positions=x["q_pos"],
                   kv_positions=x["kv_pos"], q_segment_ids=x["q_seg"], kv_segment_ids=x["kv_seg"],
-                  indices=x.get("idx"), attention_lse=lse, index_scores=scores,
-                  implementation=impl)
+                  indices=idx, attention_lse=lse, index_scores=scores, implementation=impl)
 
     f = jax.value_and_grad(loss, argnums=(0, 1, 2))
     if jit:
         f = jax.jit(f)
-    tensors = {k: v for k, v in x.items() if k != "dense"}
-    if x.get("dense"):
-        tensors["idx"] = None  # the oracle's slot list, not the op's
-    return f(x["iq"], x["ik"], x["iw"], tensors, lse, scores)
+    tensors = {k: v for k, v in x.items() if k not in ("dense", "idx")}
+    idx = None if x.get("dense") else x["idx"]  # dense: the oracle's slot list, not the op's
+    return f(x["iq"], x["ik"], x["iw"], tensors, idx, lse, scores)
 
 
 # ---------------------------------------------------------------------------------------------
