@@ -17,8 +17,9 @@
 //                          dQ[:, :256] += dS K in registers
 //                     consumer B: dQ[:, 256:512] += dS K (D 576: + the rope columns as
 //                          dQr^T = K_rope^T dS^T), then dKV = dS^T Q + P^T dO [64 slots x 64
-//                          columns] per column chunk, red.global.add.v4.f32 into the fp32
-//                          accumulator (DET = false) or stored as partial rows (DET = true)
+//                          columns] per column chunk, red.global.add.v4.f32 in whole 128-byte
+//                          lines into the fp32 accumulator (DET = false; columns permuted
+//                          within each chunk, FakeCol) or stored as partial rows (DET = true)
 //                   handing off through mbarriers, so that B's reductions of block n run under
 //                   the gather and A's MMAs of block n + 1 (details above the kernel).
 //                   Atomic mode: one launch a wave of queries once dKV outgrows L2 (AtomicWave).
@@ -69,12 +70,6 @@ using bf16 = __nv_bfloat16;
 #define JAX_DSA_BWD_PARTIAL_BF16 1
 #endif
 using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
-
-// Timing probes (selftest builds only; the results are wrong): 1 = B reduces every other dKV
-// chunk, 2 = B reduces none, 4 = B runs no dKV chunk at all.
-#ifndef JAX_DSA_BWD_PROBE
-#define JAX_DSA_BWD_PROBE 0
-#endif
 
 constexpr int kTile = 64;       // heads per tile, slots per block
 constexpr float kLog2e = 1.4426950408889634f;
@@ -260,50 +255,38 @@ __device__ __forceinline__ int BlockRow(const MainArgs& a, int64_t t, int len, i
   return r;
 }
 
-// One thread's 8 float4 of a dKV chunk row (RowQuad order) out to global memory: red.v4 into the
-// fp32 accumulator (dst = its row + column), or DET the partial row (first writer stores, later
-// ones add: same thread, same address, a fixed order).
-template <bool DET>
-__device__ __forceinline__ void DkvStoreV4(const float4 (&v)[8], bool valid, float* acc, Partial* part,
-                                           bool first, uint64_t pol) {
-  if (!valid) return;
-  if constexpr (DET) {
+// Deterministic mode: one thread's 8 float4 of a dKV chunk row (RowQuad order) into its partial
+// row (first writer stores, later ones add: same thread, same address, a fixed order).
+__device__ __forceinline__ void DkvPartStore(const float4 (&v)[8], Partial* part, bool first) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float4 x = v[j];
-      if constexpr (std::is_same_v<Partial, float>) {
-        float4* d4 = reinterpret_cast<float4*>(part + 8 * j);
-        if (!first) {
-          const float4 o = *d4;
-          x = make_float4(o.x + x.x, o.y + x.y, o.z + x.z, o.w + x.w);
-        }
-        *d4 = x;
-      } else {
-        uint2* d2 = reinterpret_cast<uint2*>(part + 8 * j);
-        if (!first) {
-          const uint2 o = *d2;
-          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.x));
-          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.y));
-          x = make_float4(lo.x + x.x, lo.y + x.y, hi.x + x.z, hi.y + x.w);
-        }
-        *d2 = make_uint2(PackBf16(x.x, x.y), PackBf16(x.z, x.w));
+  for (int j = 0; j < 8; ++j) {
+    float4 x = v[j];
+    if constexpr (std::is_same_v<Partial, float>) {
+      float4* d4 = reinterpret_cast<float4*>(part + 8 * j);
+      if (!first) {
+        const float4 o = *d4;
+        x = make_float4(o.x + x.x, o.y + x.y, o.z + x.z, o.w + x.w);
       }
+      *d4 = x;
+    } else {
+      uint2* d2 = reinterpret_cast<uint2*>(part + 8 * j);
+      if (!first) {
+        const uint2 o = *d2;
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&o.y));
+        x = make_float4(lo.x + x.x, lo.y + x.y, hi.x + x.z, hi.y + x.w);
+      }
+      *d2 = make_uint2(PackBf16(x.x, x.y), PackBf16(x.z, x.w));
     }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) RedAddV4(acc + 8 * j, v[j], pol);
   }
 }
 
-#ifndef JAX_DSA_BWD_FULLLINE
-#define JAX_DSA_BWD_FULLLINE 0
-#endif
-// A dKV chunk (64 slots x 64 columns, m64n64 fragment) out in whole 128-byte lines: each warp
-// instruction writes 4 rows x 128 B (not 16 rows x 16-32 B as RowQuad's order does), a quarter
-// to an eighth of the L2 requests. Quads g and g ^ 1 (lane ^ 4) trade half their values; within
-// a chunk, column n = 8 j + 2 q4 + e sits at FakeCol(n) = 32 (j >> 2) + 8 q4 + 2 (j & 3) + e,
-// which ConvertKernel undoes (the deterministic mode's partial rows and their sums keep it too).
-// Off by default until measured (benchmarks/notes/sparse_mla_bwd.md, session 37).
+// Atomic mode: a dKV chunk (64 slots x 64 columns, m64n64 fragment) out in whole 128-byte lines.
+// Each warp red.v4 covers 4 rows x 128 B, not the 16 rows x 32 B of RowQuad's order: a quarter
+// of the L2 requests, and 16-23% faster (benchmarks/notes/sparse_mla_bwd.md, session 39). Quads
+// g and g ^ 1 (lane ^ 4) trade half their values; within a chunk, column n = 8 j + 2 q4 + e sits
+// at FakeCol(n) = 32 (j >> 2) + 8 q4 + 2 (j & 3) + e, which ConvertKernel<true> undoes. (The
+// deterministic mode keeps RowQuad's natural order: the trade measured 1.4-2.5% slower there.)
 __host__ __device__ constexpr int FakeCol(int n) {
   return 32 * (n >> 5) + 8 * ((n >> 1) & 3) + 2 * ((n >> 3) & 3) + (n & 1);
 }
@@ -329,56 +312,6 @@ __device__ __forceinline__ void DkvRedLines(const float (&acc)[32], const int (&
       if (rows_e[hh] >= 0) RedAddV4(dst + rows_e[hh] * ld + c + (godd ? 4 : 0), godd ? rcv : own, pol);
       if (rows_o[hh] >= 0) RedAddV4(dst + rows_o[hh] * ld + c + (godd ? 0 : 4), godd ? own : rcv, pol);
     }
-}
-
-// Deterministic mode: the same trade into partial rows (slot rows of D values; first: store,
-// else add to what this lane stored at the same address for the previous head tile).
-__device__ __forceinline__ void PartStore8(Partial* p, const float (&v)[8], bool first) {
-  float x[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = v[i];
-  if constexpr (std::is_same_v<Partial, float>) {
-    float4* d4 = reinterpret_cast<float4*>(p);
-    if (!first) {
-      const float4 o0 = d4[0], o1 = d4[1];
-      x[0] += o0.x; x[1] += o0.y; x[2] += o0.z; x[3] += o0.w;
-      x[4] += o1.x; x[5] += o1.y; x[6] += o1.z; x[7] += o1.w;
-    }
-    d4[0] = make_float4(x[0], x[1], x[2], x[3]);
-    d4[1] = make_float4(x[4], x[5], x[6], x[7]);
-  } else {
-    uint4* d = reinterpret_cast<uint4*>(p);
-    if (!first) {
-      const uint4 o = *d;
-      const uint32_t w[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-        x[2 * i] += f.x;
-        x[2 * i + 1] += f.y;
-      }
-    }
-    *d = make_uint4(PackBf16(x[0], x[1]), PackBf16(x[2], x[3]), PackBf16(x[4], x[5]), PackBf16(x[6], x[7]));
-  }
-}
-// pe / po: this lane pair's even / odd quad's partial rows (slot + 0; slot + 8 is 8 rows on) at
-// the chunk's column 0; valid_e / valid_o per hh.
-__device__ __forceinline__ void DkvPartLines(const float (&acc)[32], Partial* pe, Partial* po, const bool (&valid_e)[2],
-                                             const bool (&valid_o)[2], int64_t ld, int q4, bool godd, bool first) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float own[8], rcv[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      own[2 * j] = acc[4 * j + 2 * hh];
-      own[2 * j + 1] = acc[4 * j + 2 * hh + 1];
-      rcv[2 * j] = __shfl_xor_sync(0xffffffffu, acc[4 * (j + 4) + 2 * hh], 4);
-      rcv[2 * j + 1] = __shfl_xor_sync(0xffffffffu, acc[4 * (j + 4) + 2 * hh + 1], 4);
-    }
-    const int c = 8 * q4;
-    if (valid_e[hh]) PartStore8(pe + 8 * hh * ld + c + (godd ? 32 : 0), godd ? rcv : own, first);
-    if (valid_o[hh]) PartStore8(po + 8 * hh * ld + c + (godd ? 0 : 32), godd ? own : rcv, first);
-  }
 }
 
 // A warpgroup's dQ accumulators (m64n64 layout, 4 column blocks cb0 .. cb0 + 3) -> bf16 dq rows
@@ -653,7 +586,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
   float dq[4][32];
   float dqr[ROPE ? 32 : 1];  // dQ^T [rope column 16 wi + g (+8)][head 8 j + 2 q4 (+1)]
   float acc0[32], acc1[32];  // dKV chunks, double-buffered
-  // dKV rows: RowQuad gives even lanes slot r0, odd lanes r0 + 8, 4 consecutive columns.
+  // DET's dKV rows: RowQuad gives even lanes slot r0, odd lanes r0 + 8, 4 consecutive columns.
   const bool even = (q4 & 1) == 0;
   const int slot = 16 * wi + g + (even ? 0 : 8);
   const int colq = 2 * (q4 & ~1);
@@ -673,19 +606,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
       const uint32_t s_base = Opaque(s_base0);
       const uint32_t sQ = s_base + L::kQ, sDo = s_base + L::kDo, sKv = s_base + L::kKv;
       const uint32_t sP = s_base + L::kP, sDs = s_base + L::kDs;
+      // DET: this lane's slot and its partial row; atomic: the kv rows of this lane pair's even /
+      // odd quad (slots +0, +8).
       const int row = rows[(n & 1) * kTile + slot];
-#if JAX_DSA_BWD_FULLLINE
+      Partial* pdst = DET ? a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + colq : nullptr;
       int rows_e[2], rows_o[2];
+      if constexpr (!DET) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        rows_e[hh] = rows[(n & 1) * kTile + 16 * wi + (g & ~1) + 8 * hh];
-        rows_o[hh] = rows[(n & 1) * kTile + 16 * wi + (g | 1) + 8 * hh];
+        for (int hh = 0; hh < 2; ++hh) {
+          rows_e[hh] = rows[(n & 1) * kTile + 16 * wi + (g & ~1) + 8 * hh];
+          rows_o[hh] = rows[(n & 1) * kTile + 16 * wi + (g | 1) + 8 * hh];
+        }
       }
-#endif
-      float* adst = nullptr;  // (one of the two, by DET)
-      Partial* pdst = nullptr;
-      if constexpr (DET) pdst = a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + colq;
-      else adst = a.accum + int64_t(row < 0 ? 0 : row) * D + colq;
       // Chunk c: [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c below d_v), A and B MN-major.
       auto issue = [&](float (&acc)[32], int c) {
         WgFence();
@@ -716,47 +648,32 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + ks * 32), 1);
       }
       WgCommit();
-      constexpr int kChunks = JAX_DSA_BWD_PROBE == 4 ? 0 : NB;
-      if constexpr (kChunks > 0) {
-        issue(acc0, 0);
-        WgWait<1>();  // dQ done: B's reads of the kv block are over
-      } else {
-        WgWait<0>();
-      }
+      issue(acc0, 0);
+      WgWait<1>();  // dQ done: B's reads of the kv block are over
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
       if constexpr (ROPE) WgFenceOperand(dqr);
       MbarArrive(kv_empty);
 
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
+      for (int c = 0; c < NB; ++c) {
         float(&cur)[32] = (c & 1) ? acc1 : acc0;
         float(&nxt)[32] = (c & 1) ? acc0 : acc1;
-        if (c + 1 < kChunks) {
+        if (c + 1 < NB) {
           issue(nxt, c + 1);
           WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
         } else {
           WgWait<0>();
         }
         WgFenceOperand(cur);
-        const bool keep = JAX_DSA_BWD_PROBE == 0 || (JAX_DSA_BWD_PROBE == 1 && (c & 1) == 0);
-#if JAX_DSA_BWD_FULLLINE
-        if (keep) {
-          if constexpr (DET) {
-            Partial* pe = a.partial + ((t - a.t0) * a.k + b * kTile + 16 * wi + (g & ~1)) * D + 64 * c;
-            const bool ve[2] = {rows_e[0] >= 0, rows_e[1] >= 0}, vo[2] = {rows_o[0] >= 0, rows_o[1] >= 0};
-            DkvPartLines(cur, pe, pe + D, ve, vo, D, q4, (g & 1) != 0, ht == 0);
-          } else {
-            DkvRedLines(cur, rows_e, rows_o, a.accum + 64 * c, D, q4, (g & 1) != 0, pol_last);
-          }
-        }
-        continue;
-#endif
-        float4 v[8];
+        if constexpr (DET) {
+          float4 v[8];  // (RowQuad shuffles: every lane, before the branch)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, even);
-        DkvStoreV4<DET>(v, row >= 0 && keep, DET ? nullptr : adst + 64 * c, DET ? pdst + 64 * c : nullptr, ht == 0,
-                        pol_last);
+          for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, even);
+          if (row >= 0) DkvPartStore(v, pdst + 64 * c, ht == 0);
+        } else {
+          DkvRedLines(cur, rows_e, rows_o, a.accum + 64 * c, D, q4, (g & 1) != 0, pol_last);
+        }
       }
       MbarArrive(pds_empty);  // every dKV wgmma (P, dS, Q, dO reads) has completed
       if (b == nblk - 1) MbarArrive(q_empty);
@@ -1046,8 +963,14 @@ cudaError_t LaunchD(const SparseMlaBwdParams& p, const Layout& L, cudaStream_t s
   }
   const int64_t n4 = p.s_kv * D / 4;
   const int64_t cblocks = (n4 + 255) / 256;
-  ConvertKernel<JAX_DSA_BWD_FULLLINE != 0><<<unsigned(cblocks < 65536 ? cblocks : 65536), 256, 0, stream>>>(
-      reinterpret_cast<const float4*>(accum), static_cast<uint2*>(p.dkv), n4);
+  const unsigned cgrid = unsigned(cblocks < 65536 ? cblocks : 65536);
+  const float4* acc4 = reinterpret_cast<const float4*>(accum);
+  uint2* dkv = static_cast<uint2*>(p.dkv);
+  if (p.deterministic) {
+    ConvertKernel<false><<<cgrid, 256, 0, stream>>>(acc4, dkv, n4);
+  } else {
+    ConvertKernel<true><<<cgrid, 256, 0, stream>>>(acc4, dkv, n4);
+  }
   return cudaGetLastError();
 }
 

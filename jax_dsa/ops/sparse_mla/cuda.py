@@ -32,9 +32,9 @@ OWN_BWD_TARGET = "jax_dsa_sparse_mla_bwd_cuda"  # jax_dsa's own backward
 BWD_KERNEL_ENV = "JAX_DSA_SPARSE_MLA_BWD"
 BWD_KERNELS = ("auto", "cudnn", "jax_dsa")
 # "auto" takes jax_dsa's backward from this many keys a batch element. GLM-5 dims, the indexer's
-# causal top-2048, one H100, same process: cuDNN 75.6 ms / ours 96.1 at 32K, 219.8 / 197.5 at
-# 64K, 542.4 / 444.4 at 128K (benchmarks/results/deterministic_h100.json).
-OWN_BWD_MIN_S_KV = 65536
+# causal top-2048, one H100, same process: cuDNN 29.4 ms / ours 31.0 at 16K, 47.5 / 48.3 at 24K,
+# 76.0 / 64.9 at 32K, 216.6 / 140.8 at 64K (benchmarks/results/deterministic_h100.json).
+OWN_BWD_MIN_S_KV = 32768
 COMPACT_TARGET = "jax_dsa_compact_slots_cuda"  # the backward glue's partition (or row sort)
 MAX_SORTED_SLOTS = 8192  # kMaxSortSlots of ffi/cuda/slot_compact/launch.h
 # What the kernels are compiled for (one source, read by the build too). Indices are padded with
