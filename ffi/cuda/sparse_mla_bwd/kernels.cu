@@ -290,6 +290,18 @@ __device__ __forceinline__ void DkvPartStore(const float4 (&v)[8], Partial* part
 __host__ __device__ constexpr int FakeCol(int n) {
   return 32 * (n >> 5) + 8 * ((n >> 1) & 3) + 2 * ((n >> 3) & 3) + (n & 1);
 }
+// ConvertKernel<true> relies on both: a permutation of a chunk's 64 columns, and column pairs
+// (2 m, 2 m + 1) kept adjacent (it reads them as one float2).
+constexpr bool FakeColValid() {
+  bool seen[64] = {};
+  for (int n = 0; n < 64; ++n) {
+    const int c = FakeCol(n);
+    if (c < 0 || c >= 64 || seen[c] || ((n & 1) && c != FakeCol(n - 1) + 1)) return false;
+    seen[c] = true;
+  }
+  return true;
+}
+static_assert(FakeColValid(), "FakeCol must permute 64 columns and keep column pairs adjacent");
 
 // Atomic mode: rows_e / rows_o are the kv rows (-1: skip) of this lane pair's even / odd quad's
 // slots (+0, +8 for hh); dst: the accumulator at the chunk's column 0 of row 0.
