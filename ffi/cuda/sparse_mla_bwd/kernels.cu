@@ -71,6 +71,14 @@ using bf16 = __nv_bfloat16;
 #endif
 using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 
+// Experiment (session 39, not yet measured; benchmarks/notes/sparse_mla_bwd.md): consumer A also
+// runs the last JAX_DSA_BWD_ASPLIT dKV chunks of each block, after its dQ, in the registers that
+// S and dP free, so that two warpgroups issue the reductions. 0: B runs them all (production).
+#ifndef JAX_DSA_BWD_ASPLIT
+#define JAX_DSA_BWD_ASPLIT 0
+#endif
+static_assert(JAX_DSA_BWD_ASPLIT >= 0 && JAX_DSA_BWD_ASPLIT <= 4, "JAX_DSA_BWD_ASPLIT: 0..4 chunks");
+
 constexpr int kTile = 64;       // heads per tile, slots per block
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -326,6 +334,89 @@ __device__ __forceinline__ void DkvRedLines(const float (&acc)[32], const int (&
     }
 }
 
+// Issues dKV chunk c of a block: [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c below d_v), A and B
+// MN-major; the first MMA overwrites acc ("=f": its old values are not live across it).
+__device__ __forceinline__ void IssueDkvChunk(float (&acc)[32], int c, uint32_t sDs, uint32_t sP, uint32_t sQ,
+                                              uint32_t sDo) {
+  using namespace sm90;
+  WgFence();
+  WgMmaSSZero<1, 1>(acc, WgDescMN(sDs, 8192), WgDescMN(sQ + c * 8192, 8192));
+#pragma unroll
+  for (int ks = 1; ks < 4; ++ks)
+    WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
+  if (c < kDv / 64) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
+  }
+  WgCommit();
+}
+
+// Where one thread's share of a block's dKV chunks goes.
+struct DkvOut {
+  float* accum;              // atomic: the fp32 accumulator at row 0, column 0
+  Partial* pdst;             // DET: this lane's partial row at its column quad
+  int row;                   // DET: this lane's kv row (-1: not stored)
+  int rows_e[2], rows_o[2];  // atomic: the kv rows of the lane pair's even / odd quad (-1: skip)
+  bool even, godd, first;    // RowQuad's half; the odd quad of the pair; the first head tile
+  int q4;
+  uint64_t pol;
+};
+
+// The DkvOut of a thread of a consumer warpgroup (warp wi, lane 4 g + q4) for block b of query t;
+// rows: the block's kv row ids in shared memory.
+template <int D, bool DET>
+__device__ __forceinline__ DkvOut MakeDkvOut(const MainArgs& a, const int* rows, int64_t t, int b, bool first,
+                                             int wi, int g, int q4, uint64_t pol) {
+  DkvOut o;
+  // DET: RowQuad gives even lanes slot r0, odd lanes r0 + 8, 4 consecutive columns.
+  o.even = (q4 & 1) == 0;
+  const int slot = 16 * wi + g + (o.even ? 0 : 8);
+  o.row = rows[slot];
+  o.pdst = DET ? a.partial + ((t - a.t0) * a.k + b * kTile + slot) * D + 2 * (q4 & ~1) : nullptr;
+  o.accum = a.accum;
+  if constexpr (!DET) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      o.rows_e[hh] = rows[16 * wi + (g & ~1) + 8 * hh];
+      o.rows_o[hh] = rows[16 * wi + (g | 1) + 8 * hh];
+    }
+  }
+  o.godd = (g & 1) != 0;
+  o.first = first;
+  o.q4 = q4;
+  o.pol = pol;
+  return o;
+}
+
+// dKV chunks C0 .. C1 - 1 of a block, chunk C0 already issued into acc0: chunk c + 1's wgmma is
+// issued before chunk c's output (red.v4 lines, or DET the partial rows) so that it runs under it.
+template <int D, bool DET, int C0, int C1>
+__device__ __forceinline__ void RunDkvChunks(float (&acc0)[32], float (&acc1)[32], uint32_t sDs, uint32_t sP,
+                                             uint32_t sQ, uint32_t sDo, const DkvOut& o) {
+  using namespace sm90;
+#pragma unroll
+  for (int c = C0; c < C1; ++c) {
+    float(&cur)[32] = ((c - C0) & 1) ? acc1 : acc0;
+    float(&nxt)[32] = ((c - C0) & 1) ? acc0 : acc1;
+    if (c + 1 < C1) {
+      IssueDkvChunk(nxt, c + 1, sDs, sP, sQ, sDo);
+      WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
+    } else {
+      WgWait<0>();
+    }
+    WgFenceOperand(cur);
+    if constexpr (DET) {
+      float4 v[8];  // (RowQuad shuffles: every lane, before the branch)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = RowQuad(cur, j, o.even);
+      if (o.row >= 0) DkvPartStore(v, o.pdst + 64 * c, o.first);
+    } else {
+      DkvRedLines(cur, o.rows_e, o.rows_o, o.accum + 64 * c, D, o.q4, o.godd, o.pol);
+    }
+  }
+}
+
 // A warpgroup's dQ accumulators (m64n64 layout, 4 column blocks cb0 .. cb0 + 3) -> bf16 dq rows
 // dst[head * D + column] of the 64-head tile.
 template <int D>
@@ -388,6 +479,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
   using namespace sm90;
   constexpr int NB = D / 64;       // 64-column blocks of a kv row = dKV chunks (9 or 8)
   constexpr bool ROPE = D == 576;  // a 9th column block past d_v
+  constexpr int kASplit = JAX_DSA_BWD_ASPLIT;  // dKV chunks of a block that A runs (the last ones)
   using L = MainSmem<D>;
   using W = WsSmem<D>;
   extern __shared__ unsigned char smem_raw[];
@@ -484,6 +576,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
     // ---- Consumer A: S, dP, P, dS, dQ[:, 0:256].
     RegAlloc<kRegA>();
     const float sl2 = scale * kLog2e;
+    const uint64_t pol_a = (DET || kASplit == 0) ? 0 : PolicyEvictLast();
     float dq[4][32];
     for (int ht = 0; ht < n_ht; ++ht) {
 #pragma unroll
@@ -547,7 +640,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
             }
         WgWait<0>();  // (ptxas places both waits before the exp2s anyway: ~0.1 us a block)
         WgFenceOperand(pacc);
-        if (b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads are done
+        if (kASplit == 0 && b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads are done
         uint32_t pk[16], dk[16];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -587,6 +680,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
 #pragma unroll
         for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
         MbarArrive(kv_empty);
+        if constexpr (kASplit > 0) {  // A's dKV chunks (its P, dS stay until its own next store)
+          const DkvOut out = MakeDkvOut<D, DET>(a, cur, t, b, ht == 0, wi, g, q4, pol_a);
+          float acc0[32], acc1[32];
+          IssueDkvChunk(acc0, NB - kASplit, sDs, sP, sQ, sDo);
+          RunDkvChunks<D, DET, NB - kASplit, NB>(acc0, acc1, sDs, sP, sQ, sDo, out);
+          if (b == nblk - 1) MbarArrive(q_empty);  // this tile's Q, dO reads are done
+        }
       }
       StoreDq<D>(a.dq + (t * a.h + ht * kTile) * D, dq, 0, wi, g, q4);
     }
@@ -630,20 +730,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           rows_o[hh] = rows[(n & 1) * kTile + 16 * wi + (g | 1) + 8 * hh];
         }
       }
-      // Chunk c: [64 slots, 64 columns] = dS^T Q_c (+ P^T dO_c below d_v), A and B MN-major.
-      auto issue = [&](float (&acc)[32], int c) {
-        WgFence();
-        WgMmaSSZero<1, 1>(acc, WgDescMN(sDs, 8192), WgDescMN(sQ + c * 8192, 8192));
-#pragma unroll
-        for (int ks = 1; ks < 4; ++ks)
-          WgMmaSS<1, 1>(acc, WgDescMN(sDs + ks * 2048, 8192), WgDescMN(sQ + c * 8192 + ks * 2048, 8192), 1);
-        if (c < kDv / 64) {
-#pragma unroll
-          for (int ks = 0; ks < 4; ++ks)
-            WgMmaSS<1, 1>(acc, WgDescMN(sP + ks * 2048, 8192), WgDescMN(sDo + c * 8192 + ks * 2048, 8192), 1);
-        }
-        WgCommit();
-      };
 
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
@@ -660,19 +746,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           WgMmaSS<1, 0>(dqr, WgDescMN(sKv + 8 * 8192 + ks * 2048, 8192), WgDesc(sDs + ks * 32), 1);
       }
       WgCommit();
-      issue(acc0, 0);
+      IssueDkvChunk(acc0, 0, sDs, sP, sQ, sDo);
       WgWait<1>();  // dQ done: B's reads of the kv block are over
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) WgFenceOperand(dq[nn]);
       if constexpr (ROPE) WgFenceOperand(dqr);
       MbarArrive(kv_empty);
 
+      // (The same loop as RunDkvChunks, kept inline: the production build as measured.)
 #pragma unroll
-      for (int c = 0; c < NB; ++c) {
+      for (int c = 0; c < NB - kASplit; ++c) {
         float(&cur)[32] = (c & 1) ? acc1 : acc0;
         float(&nxt)[32] = (c & 1) ? acc0 : acc1;
-        if (c + 1 < NB) {
-          issue(nxt, c + 1);
+        if (c + 1 < NB - kASplit) {
+          IssueDkvChunk(nxt, c + 1, sDs, sP, sQ, sDo);
           WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
         } else {
           WgWait<0>();
