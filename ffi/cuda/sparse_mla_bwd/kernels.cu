@@ -74,6 +74,7 @@ using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 // Experiment (session 39, not yet measured; benchmarks/notes/sparse_mla_bwd.md): consumer A also
 // runs the last JAX_DSA_BWD_ASPLIT dKV chunks of each block, after its dQ, in the registers that
 // S and dP free, so that two warpgroups issue the reductions. 0: B runs them all (production).
+// (With JAX_DSA_BWD_PARTIAL_BF16=0 as well, the deterministic kernels spill 8-12 bytes.)
 #ifndef JAX_DSA_BWD_ASPLIT
 #define JAX_DSA_BWD_ASPLIT 0
 #endif
@@ -458,6 +459,8 @@ __device__ __forceinline__ void StoreDq(bf16* dst, const float (&dq)[4][32], int
 //   pds_empty (128: B)        dKV of block n read P, dS (and Q, dO)      A waits before storing
 //   q_full    (128: producer) Q, dO of head tile ht landed               A, B wait
 //   q_empty   (256: A + B)    head tile ht's last reads of Q, dO         producer waits
+// (JAX_DSA_BWD_ASPLIT > 0: A's own dKV chunks also read P, dS, Q, dO; A stores the next P, dS
+// after them and a 128-thread barrier, and arrives on q_empty after them.)
 // No phase can run two ahead of a waiter (each refill needs the waiter's own earlier arrival),
 // so one parity bit is enough. nblk == 0 uses no barrier at all (dq = 0, uniform over the CTA).
 
@@ -655,6 +658,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
             dk[2 * j + hr] = PackBf16(d2[0], d2[1]);
           }
         if (n > 0) MbarWait(pds_empty, (n - 1) & 1);  // B's dKV of block n - 1 read P, dS
+        // ASPLIT: every A warp's share of its own chunk MMAs of block n - 1 is done too.
+        if constexpr (kASplit > 0) NamedBarSync(2, 128);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
