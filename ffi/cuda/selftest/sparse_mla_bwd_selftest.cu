@@ -11,6 +11,7 @@
 //   --causal                             the bench's lists: query t picks min(K, t + 1) distinct
 //                                        keys of [0, t], the rest -1 (default: K of all S_kv)
 //   --sorted                             the bench's lists sorted by kv row (-1 last)
+// The bench prints fingerprints of dq and dkv: the deterministic ones must match across builds.
 // Exit code 0 only when every check passes.
 //
 // Build (from the repository root):
@@ -419,6 +420,25 @@ __global__ void FillBf16(bf16* p, size_t n, uint64_t seed) {
 __global__ void FillF32(float* p, size_t n, float v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
+// An order-free 64-bit fingerprint of n bf16 values (sum of hashes of (position, bits)): equal
+// across builds exactly when the buffers are bitwise equal (up to hash collisions).
+__global__ void Fingerprint(const bf16* p, size_t n, unsigned long long* out) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  unsigned long long s = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    s += Mix((uint64_t(i) << 16) ^ u[i]);
+  atomicAdd(out, s);
+}
+uint64_t FingerprintOf(const bf16* p, size_t n) {
+  unsigned long long* d;
+  unsigned long long h = 0;
+  CK(cudaMalloc(&d, 8));
+  CK(cudaMemset(d, 0, 8));
+  Fingerprint<<<1024, 256>>>(p, n, d);
+  CK(cudaMemcpy(&h, d, 8, cudaMemcpyDeviceToHost));
+  CK(cudaFree(d));
+  return h;
+}
 __device__ int64_t Gcd(int64_t a, int64_t b) { while (b) { const int64_t t = a % b; a = b; b = t; } return a; }
 // Distinct indices a row: (a_t j + b_t) mod n with gcd(a_t, n) = 1, n = S_kv, or causal
 // n = t + 1 (query t at position t) with the slots past n set to -1 (K <= S_kv).
@@ -506,6 +526,9 @@ int Bench(int64_t S) {
     bool fin = std::isfinite(ds[0]);
     for (auto v : row) fin &= std::isfinite(B2F(v));
     if (!fin) { printf("  non-finite outputs in the bench run: FAIL\n"); rc = 1; }
+    // Deterministic: fingerprints that two builds must share bit for bit (atomic: informational).
+    printf("  %-13s fingerprint dq %016llx dkv %016llx\n", det ? "deterministic" : "atomic",
+           (unsigned long long)FingerprintOf(dq, size_t(SQ * H * D)), (unsigned long long)FingerprintOf(dkv, size_t(SKV * D)));
     CK(cudaFree(p.workspace));
     CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
   }
