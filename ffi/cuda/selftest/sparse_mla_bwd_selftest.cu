@@ -14,11 +14,9 @@
 // The bench prints fingerprints of dq and dkv: the deterministic ones must match across builds.
 // Exit code 0 only when every check passes.
 //
-// Build (from the repository root):
-//   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I ffi -lineinfo -Xptxas=-warn-spills \
-//     -o .gpu/bin/sparse_mla_bwd_selftest ffi/cuda/selftest/sparse_mla_bwd_selftest.cu \
-//     ffi/cuda/sparse_mla_bwd/kernels.cu ffi/cuda/slot_compact/kernels.cu
-// (plain -arch=sm_90a also embeds compute_90 PTX with nvcc 13, which cannot hold wgmma.)
+// Build: JAX_DSA_CUDA_SELFTEST=ON ./scripts/setup.sh (the build folder), or, with build flags and
+// no Python, benchmarks/tools/bwd_selftest_variants.sh build NAME [FLAGS] (its nvcc line), which
+// also runs builds side by side on the GPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
