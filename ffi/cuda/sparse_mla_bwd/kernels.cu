@@ -80,6 +80,13 @@ using Partial = std::conditional_t<JAX_DSA_BWD_PARTIAL_BF16 != 0, bf16, float>;
 #endif
 static_assert(JAX_DSA_BWD_ASPLIT >= 0 && JAX_DSA_BWD_ASPLIT <= 4, "JAX_DSA_BWD_ASPLIT: 0..4 chunks");
 
+// Experiment (session 40, not yet measured; benchmarks/notes/sparse_mla_bwd.md): consumer B
+// arrives on pds_empty (and q_empty) as soon as its last dKV chunk's wgmma has completed, before
+// that chunk's reductions, so that A's next P/dS stores run under them. 0: after them.
+#ifndef JAX_DSA_BWD_EARLY_RELEASE
+#define JAX_DSA_BWD_EARLY_RELEASE 0
+#endif
+
 constexpr int kTile = 64;       // heads per tile, slots per block
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -769,6 +776,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           WgWait<1>();  // chunk c done, c + 1 in flight under the epilogue
         } else {
           WgWait<0>();
+          if constexpr (JAX_DSA_BWD_EARLY_RELEASE != 0) {  // B's last shared-memory read is done
+            MbarArrive(pds_empty);
+            if (b == nblk - 1) MbarArrive(q_empty);
+          }
         }
         WgFenceOperand(cur);
         if constexpr (DET) {
@@ -780,8 +791,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) MainKernelWs(const MainArgs a) 
           DkvRedLines(cur, rows_e, rows_o, a.accum + 64 * c, D, q4, (g & 1) != 0, pol_last);
         }
       }
-      MbarArrive(pds_empty);  // every dKV wgmma (P, dS, Q, dO reads) has completed
-      if (b == nblk - 1) MbarArrive(q_empty);
+      if constexpr (JAX_DSA_BWD_EARLY_RELEASE == 0) {
+        MbarArrive(pds_empty);  // every dKV wgmma (P, dS, Q, dO reads) has completed
+        if (b == nblk - 1) MbarArrive(q_empty);
+      }
     }
     bf16* dqt = a.dq + (t * a.h + ht * kTile) * D;
     StoreDq<D>(dqt, dq, 4, wi, g, q4);
