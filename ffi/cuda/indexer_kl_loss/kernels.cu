@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "cuda/common/relu.h"
 #include "cuda/common/sm90_wgmma.h"
@@ -82,6 +83,12 @@ __device__ __forceinline__ void RedAddV4(float* p, float a, float b, float c, fl
 // d[0 .. bytes) += s[0 .. bytes) in fp32 by the bulk-copy engine (asynchronous; bulk group).
 __device__ __forceinline__ void BulkReduceAddF32(float* d, uint32_t s, int bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(d),
+               "r"(s), "r"(bytes)
+               : "memory");
+}
+// d[0 .. bytes) += s[0 .. bytes) as 64-bit integers (two's complement: signed sums wrap alike).
+__device__ __forceinline__ void BulkReduceAddU64(unsigned long long* d, uint32_t s, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;\n" ::"l"(d),
                "r"(s), "r"(bytes)
                : "memory");
 }
@@ -481,6 +488,9 @@ constexpr int kWgThreads = 128;
 constexpr int kWgTileBytes = kBTile * kBRowBytes;  // 16 KiB
 
 constexpr int kUbStride = 132;  // floats a staged U row: 512 bytes + 16 (conflict-free stores)
+// FIXED with BULK: U as int64, half a tile (32 rows) at a time in the same room.
+constexpr int kUb64Stride = 130;  // int64 a staged row: 1024 bytes + 16
+static_assert(32 * kUb64Stride * 8 <= kBTile * kUbStride * 4, "the int64 half tile fits the staging");
 
 template <int HI, int STAGES, bool BULK>
 struct BwdWgSmem {
@@ -509,12 +519,14 @@ constexpr int WgStages(bool bulk, bool pair) { return bulk ? (pair ? 2 : 3) : 4;
 // products of one tile and U = sum over both rows, so that each key row gets one reduction for
 // both. Where they disagree (a document or batch boundary), the CTA runs twice, one row masked.
 // FIXED (BwdArgs::d_ik_fixed, the deterministic mode): U is added to d_ik_fixed as 64-bit
-// fixed point (RedAddFixed) instead of to d_ik; LaunchBwd converts the sums to d_ik afterwards.
+// fixed point instead of to d_ik (RedAddFixed; with BULK, staged as int64 half a tile at a time
+// and sent as one 1024-byte bulk u64 reduction a row); LaunchBwd converts the sums to d_ik
+// afterwards.
 template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false>
 __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
   using namespace sm90;
   static_assert(!PAIR || (DENSE && HI == 64), "PAIR: the dense form at 64 stacked heads");
-  static_assert(!FIXED || !BULK, "FIXED adds from registers");
+  static_assert(!(FIXED && BULK) || (HI == 32 && !PAIR), "FIXED's bulk staging: one row of 32 heads");
   constexpr int kWgStages = WgStages(BULK, PAIR);
   constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
   constexpr int KK = HI / 16;  // k16 steps of (3)
@@ -761,7 +773,45 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
     WgFenceOperand(acc_q[0]);
     WgFenceOperand(acc_q[1]);
     const int j0 = sm.tiles[it] * kBTile;
-    if constexpr (FIXED) {
+    if constexpr (FIXED && BULK) {
+      // Rows 32 h .. 32 h + 31 (warps 2 h, 2 h + 1) in round h: the int64 half tile fills the
+      // float staging's room; as the f32 path, one bulk reduction a valid row.
+      const float scale = *a.fixed_scale;
+      unsigned long long* ub64 = reinterpret_cast<unsigned long long*>(sm.ub);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (tid < 32) BulkWaitRead();  // the previous round's reductions have read the staging
+        __syncthreads();
+        if ((warp >> 1) == h) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            bool finite = true;
+            unsigned long long* dst = ub64 + (r0 + 8 * hr - 32 * h) * kUb64Stride + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              const float x0 = acc_u[4 * j + 2 * hr], x1 = acc_u[4 * j + 2 * hr + 1];
+              const bool f0 = isfinite(x0), f1 = isfinite(x1);
+              finite &= f0 && f1;
+              const unsigned long long v0 = f0 ? static_cast<unsigned long long>(__float2ll_rn(x0 * scale)) : 0ull;
+              const unsigned long long v1 = f1 ? static_cast<unsigned long long>(__float2ll_rn(x1 * scale)) : 0ull;
+              asm volatile("st.shared.v2.u64 [%0], {%1, %2};\n" ::"r"(SmemU32(dst + 8 * j)), "l"(v0), "l"(v1)
+                           : "memory");
+            }
+            const int row = rows[j0 + r0 + 8 * hr];
+            if (!finite && row >= 0) atomicOr(a.d_ik_nonfinite + row, 1u);
+          }
+        }
+        FenceProxyAsync();
+        __syncthreads();
+        if (tid < 32) {
+          const int row = rows[j0 + 32 * h + tid];
+          if (row >= 0)
+            BulkReduceAddU64(a.d_ik_fixed + int64_t(row) * kIndexHeadDim, SmemU32(ub64 + tid * kUb64Stride),
+                             kIndexHeadDim * 8);
+          BulkCommit();
+        }
+      }
+    } else if constexpr (FIXED) {
       // acc_u[4 j + 2 hr + e] is U[slot r0 + 8 hr, column 8 j + 2 q4 + e].
       const float scale = *a.fixed_scale;
 #pragma unroll
@@ -1006,7 +1056,13 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     e = cudaMemsetAsync(a.d_ik_nonfinite, 0, size_t(n_ik / kIndexHeadDim) * 4, stream);
     if (e != cudaSuccess) return e;
     if (a.t > 0) {
+      // Experiment (session 40, not yet measured; benchmarks/notes/indexer_kl_loss.md): with
+      // JAX_DSA_KL_DET_BULK=1 in the environment at launch, the sparse form at <= 32 index heads
+      // sends bulk u64 reductions; otherwise scalar ones.
+      const char* bulk_env = std::getenv("JAX_DSA_KL_DET_BULK");
+      const bool bulk = bulk_env != nullptr && bulk_env[0] == '1' && a.h_i <= 32;
       e = a.index_lse != nullptr ? LaunchBwdWgHi<64, false, true, false, true>(a, stream)
+          : bulk                 ? LaunchBwdWgHi<32, true, false, false, true>(a, stream)
                                  : LaunchBwdWgHi<64, false, false, false, true>(a, stream);
       if (e != cudaSuccess) return e;
     }
