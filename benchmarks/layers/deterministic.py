@@ -13,6 +13,10 @@ differ between two runs of each on the same inputs (0 for the deterministic step
 identical). Also ``sparse_mla`` alone at K 2048 on the indexer's causal top-k, the three ways:
 forward+backward, the forward alone, and from them the backward's time and TFLOP/s (2.5 times
 the forward's FLOPs over the valid slots). ``--ops-only``: these op rows alone (e.g. at 128K).
+``--env-mode NAME:VAR=VALUE`` (repeatable) also times the deterministic layer step with ``VAR=VALUE``
+in the environment for all its calls (a kernel variant chosen at launch, e.g.
+``JAX_DSA_KL_DET_BULK=1``), and counts the gradient elements that differ from the plain
+deterministic step's.
 """
 
 from __future__ import annotations
@@ -42,16 +46,29 @@ MODES = (("default", False, "auto"), ("cudnn", False, "cudnn"),
 
 
 @contextlib.contextmanager
-def backward_env(value):
-    old = os.environ.get(BWD_KERNEL_ENV)
-    os.environ[BWD_KERNEL_ENV] = value
+def env_set(var, value):
+    old = os.environ.get(var)
+    os.environ[var] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(BWD_KERNEL_ENV)
+            os.environ.pop(var)
         else:
-            os.environ[BWD_KERNEL_ENV] = old
+            os.environ[var] = old
+
+
+def backward_env(value):
+    return env_set(BWD_KERNEL_ENV, value)
+
+
+def env_mode(text):
+    """``NAME:VAR=VALUE`` -> (NAME, VAR, VALUE)."""
+    name, sep, assign = text.partition(":")
+    var, eq, value = assign.partition("=")
+    if not (sep and eq and name and var):
+        raise argparse.ArgumentTypeError(f"--env-mode {text!r}: expected NAME:VAR=VALUE")
+    return name, var, value
 
 
 def differing(a, b):
@@ -63,16 +80,27 @@ def differing(a, b):
     return diff, sum(int(np.size(x)) for x in la)
 
 
-def layer_rows(c, s, repeats):
-    row = {}
+def layer_rows(c, s, repeats, env_modes=()):
+    row, det_first = {}, None
     for name, det, env in MODES:
         with backward_env(env):  # the ops read it when traced: the first call
             step, args = make_layer_step(c, s, "cuda", deterministic=det)
             first, second = step(*args), step(*args)
         diff, total = differing(first, second)
+        if name == "deterministic" and env_modes:
+            det_first = first
         del first, second
         row[name] = {**timed(step, *args, repeats=repeats), "differing_elements": diff,
                      "elements": total}
+    for name, var, value in env_modes:
+        with env_set(var, value):  # for every call: a kernel launch may read it each time
+            step, args = make_layer_step(c, s, "cuda", deterministic=True)
+            first, second = step(*args), step(*args)
+            diff, total = differing(first, second)
+            row[name] = {**timed(step, *args, repeats=repeats), "env": f"{var}={value}",
+                         "differing_elements": diff, "elements": total,
+                         "differing_from_deterministic": differing(first, det_first)[0]}
+            del first, second
     row["deterministic_over_default"] = round(
         row["deterministic"]["median_ms"] / row["default"]["median_ms"], 3)
     return row
@@ -112,6 +140,8 @@ def main(argv=None):
     p.add_argument("--sizes", default="16384,65536")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ops-only", action="store_true", help="skip the layer step (op rows only)")
+    p.add_argument("--env-mode", type=env_mode, action="append", default=[],
+                   metavar="NAME:VAR=VALUE", help="a deterministic layer mode run with VAR=VALUE")
     common.add_result_args(p)
     a = p.parse_args(argv)
     c = get_config("glm5")
@@ -121,7 +151,7 @@ def main(argv=None):
                     "batch row, bfloat16, sparse mode with the KL loss, implementation cuda",
            "repeats": a.repeats, "sizes": {}}
     for s in [int(x) for x in a.sizes.split(",") if x]:
-        row = {} if a.ops_only else {"layer_fwd_bwd": layer_rows(c, s, a.repeats)}
+        row = {} if a.ops_only else {"layer_fwd_bwd": layer_rows(c, s, a.repeats, a.env_mode)}
         row["sparse_mla_fwd_bwd"] = op_rows(c, s, a.repeats)
         res["sizes"][str(s)] = row
         print(s, json.dumps(row), flush=True)
