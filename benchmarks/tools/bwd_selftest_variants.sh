@@ -12,6 +12,8 @@
 #   oracle  the float64-oracle cases, both modes, and the determinism check
 #   16k     --bench-only: S 16384, all K 2048 slots valid, uniform
 #   128k    --bench-s 131072 --causal --sorted
+#   ncu16k  Nsight Compute on one atomic MainKernelWs launch of the 16K bench (the 4th): speed of
+#           light, warp states (stall reasons), memory tables and L2 reduction sectors
 #   then the first NAME's first bench step again (drift over the call). Each step runs under
 #   `timeout` (STEP_TIMEOUT seconds, default 240). The whole log goes to $OUT/bwd_selftest.log
 #   (or ./bwd_selftest.log); the summary (medians, fingerprints, verdicts) to stdout. Equal
@@ -19,7 +21,7 @@
 #   any step failed or timed out.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-usage() { sed -n '2,20p' "$0" >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 cmd=$1; shift
 case $cmd in
@@ -50,17 +52,23 @@ case $cmd in
         oracle) args=() ;;
         16k) args=(--bench-only) ;;
         128k) args=(--bench-s 131072 --causal --sorted) ;;
+        ncu16k) args=(--bench-only) ;;
         *) echo "bwd_selftest_variants: unknown step '$2'" >&2; return 2 ;;
       esac
       [ -x "$bin" ] || { echo "$1 $2: no build (run the build command first)"; return 1; }
       echo "== $1 $2 ($(cat "$root/build/bwd_selftest/$1/build.txt" | tr '\n' ' '))" >> "$log"
       local t0=$SECONDS s
-      timeout "${STEP_TIMEOUT:-240}" "$bin" "${args[@]}" >> "$log" 2>&1
+      local pre=()
+      [ "$2" = ncu16k ] && pre=(ncu --clock-control none --kernel-name regex:MainKernelWs --launch-skip 3
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis
+        --section MemoryWorkloadAnalysis_Tables --print-details all --metrics lts__t_sectors_op_red.sum,lts__t_requests_op_red.sum)
+      timeout "${STEP_TIMEOUT:-240}" "${pre[@]}" "$bin" "${args[@]}" >> "$log" 2>&1
       s=$?
       echo "-- exit $s after $((SECONDS - t0)) s" >> "$log"
       # the last section of the log is this step's
       awk '/^== /{buf=""} {buf=buf $0 "\n"} END{printf "%s", buf}' "$log" |
-        grep -E '^== |median|fingerprint|=> |FAIL|refused|failed|\.cu:[0-9]+ |^-- exit' | sed "s/^/[$1 $2] /"
+        grep -E '^== |median|fingerprint|=> |FAIL|refused|failed|\.cu:[0-9]+ |^-- exit|Stall|Duration|Throughput|op_red|Hit Rate' |
+        sed "s/^/[$1 $2] /"
       [ $s -eq 0 ]
     }
     IFS=, read -r -a list <<< "$steps"
@@ -68,7 +76,7 @@ case $cmd in
       for s in "${list[@]}"; do step "$name" "$s" || rc=1; done
     done
     for s in "${list[@]}"; do  # drift: the first build's first bench step again
-      if [ "$s" != oracle ] && [ $# -gt 1 ]; then step "$1" "$s" || rc=1; break; fi
+      if [ "$s" != oracle ] && [ "$s" != ncu16k ] && [ $# -gt 1 ]; then step "$1" "$s" || rc=1; break; fi
     done
     exit $rc
     ;;
