@@ -13,10 +13,11 @@ differ between two runs of each on the same inputs (0 for the deterministic step
 identical). Also ``sparse_mla`` alone at K 2048 on the indexer's causal top-k, the three ways:
 forward+backward, the forward alone, and from them the backward's time and TFLOP/s (2.5 times
 the forward's FLOPs over the valid slots). ``--ops-only``: these op rows alone (e.g. at 128K).
-``--env-mode NAME:VAR=VALUE`` (repeatable) also times the deterministic layer step with ``VAR=VALUE``
-in the environment for all its calls (a kernel variant chosen at launch, e.g.
-``JAX_DSA_KL_DET_BULK=1``), and counts the gradient elements that differ from the plain
-deterministic step's.
+``--env-mode NAME:MODE:VAR=VALUE[,VAR=VALUE]`` (repeatable; MODE ``default`` or
+``deterministic``) also times that layer step with the variables set for all its calls (kernel
+variants chosen at launch, e.g. ``JAX_DSA_KL_DET_BULK=1``), and counts the gradient elements that
+differ from the plain MODE step's (0 expected only where the variant sums in the same order) and
+the largest relative L2 distance of a gradient from it.
 """
 
 from __future__ import annotations
@@ -46,29 +47,33 @@ MODES = (("default", False, "auto"), ("cudnn", False, "cudnn"),
 
 
 @contextlib.contextmanager
-def env_set(var, value):
-    old = os.environ.get(var)
-    os.environ[var] = value
+def env_set(assignments):
+    """Sets ``{VAR: VALUE}`` in os.environ for the block, then restores the old values."""
+    old = {var: os.environ.get(var) for var in assignments}
+    os.environ.update(assignments)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(var)
-        else:
-            os.environ[var] = old
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var)
+            else:
+                os.environ[var] = value
 
 
 def backward_env(value):
-    return env_set(BWD_KERNEL_ENV, value)
+    return env_set({BWD_KERNEL_ENV: value})
 
 
 def env_mode(text):
-    """``NAME:VAR=VALUE`` -> (NAME, VAR, VALUE)."""
-    name, sep, assign = text.partition(":")
-    var, eq, value = assign.partition("=")
-    if not (sep and eq and name and var):
-        raise argparse.ArgumentTypeError(f"--env-mode {text!r}: expected NAME:VAR=VALUE")
-    return name, var, value
+    """``NAME:MODE:VAR=VALUE[,VAR=VALUE]`` -> (NAME, deterministic, {VAR: VALUE})."""
+    parts = text.split(":", 2)
+    pairs = [x.partition("=") for x in parts[2].split(",")] if len(parts) == 3 else []
+    if (len(parts) != 3 or not parts[0] or parts[1] not in ("default", "deterministic")
+            or not pairs or not all(var and eq for var, eq, _ in pairs)):
+        raise argparse.ArgumentTypeError(
+            f"--env-mode {text!r}: expected NAME:default|deterministic:VAR=VALUE[,VAR=VALUE]")
+    return parts[0], parts[1] == "deterministic", {var: value for var, _, value in pairs}
 
 
 def differing(a, b):
@@ -80,26 +85,38 @@ def differing(a, b):
     return diff, sum(int(np.size(x)) for x in la)
 
 
+def worst_rel_l2(a, b):
+    """The largest ||x - y|| / ||y|| over the leaves of two gradient pytrees (float64)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)))
+    return worst
+
+
 def layer_rows(c, s, repeats, env_modes=()):
-    row, det_first = {}, None
+    row, base = {}, {}  # base: the default and deterministic steps' first gradients
     for name, det, env in MODES:
         with backward_env(env):  # the ops read it when traced: the first call
             step, args = make_layer_step(c, s, "cuda", deterministic=det)
             first, second = step(*args), step(*args)
         diff, total = differing(first, second)
-        if name == "deterministic" and env_modes:
-            det_first = first
+        if name in ("default", "deterministic") and env_modes:
+            base[name] = first
         del first, second
         row[name] = {**timed(step, *args, repeats=repeats), "differing_elements": diff,
                      "elements": total}
-    for name, var, value in env_modes:
-        with env_set(var, value):  # for every call: a kernel launch may read it each time
-            step, args = make_layer_step(c, s, "cuda", deterministic=True)
+    for name, det, assignments in env_modes:
+        with env_set(assignments):  # for every call: a kernel launch may read them each time
+            step, args = make_layer_step(c, s, "cuda", deterministic=det)
             first, second = step(*args), step(*args)
             diff, total = differing(first, second)
-            row[name] = {**timed(step, *args, repeats=repeats), "env": f"{var}={value}",
+            mode = "deterministic" if det else "default"
+            row[name] = {**timed(step, *args, repeats=repeats),
+                         "env": ",".join(f"{k}={v}" for k, v in assignments.items()),
                          "differing_elements": diff, "elements": total,
-                         "differing_from_deterministic": differing(first, det_first)[0]}
+                         f"differing_from_{mode}": differing(first, base[mode])[0],
+                         f"worst_rel_l2_from_{mode}": worst_rel_l2(first, base[mode])}
             del first, second
     row["deterministic_over_default"] = round(
         row["deterministic"]["median_ms"] / row["default"]["median_ms"], 3)
@@ -141,7 +158,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ops-only", action="store_true", help="skip the layer step (op rows only)")
     p.add_argument("--env-mode", type=env_mode, action="append", default=[],
-                   metavar="NAME:VAR=VALUE", help="a deterministic layer mode run with VAR=VALUE")
+                   metavar="NAME:MODE:VAR=VALUE[,VAR=VALUE]",
+                   help="a layer mode (MODE default or deterministic) run with these variables")
     common.add_result_args(p)
     a = p.parse_args(argv)
     c = get_config("glm5")

@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cub/block/block_radix_sort.cuh>
 
 #include <algorithm>
 #include <cmath>
@@ -522,11 +523,15 @@ constexpr int WgStages(bool bulk, bool pair) { return bulk ? (pair ? 2 : 3) : 4;
 // fixed point instead of to d_ik (RedAddFixed; with BULK, staged as int64 half a tile at a time
 // and sent as one 1024-byte bulk u64 reduction a row); LaunchBwd converts the sums to d_ik
 // afterwards.
-template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false>
-__global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) {
+// SORT (the sparse form; experiment, see LaunchBwd): each row's (key row, dscore) pairs are sorted
+// by key row before the tiles are formed, so that the CTAs of a wave launch sweep d_ik's rows
+// together. Rows t0 + blockIdx.x (PAIR: t0 + 2 blockIdx.x and the next).
+template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false, bool SORT = false>
+__global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a, const int64_t t0) {
   using namespace sm90;
   static_assert(!PAIR || (DENSE && HI == 64), "PAIR: the dense form at 64 stacked heads");
   static_assert(!(FIXED && BULK) || (HI == 32 && !PAIR), "FIXED's bulk staging: one row of 32 heads");
+  static_assert(!SORT || (HI == 32 && !DENSE && !PAIR), "SORT: the sparse form at 32 heads");
   constexpr int kWgStages = WgStages(BULK, PAIR);
   constexpr int NA = HI / 2;   // accumulator floats of an m64 nHI tile
   constexpr int KK = HI / 16;  // k16 steps of (3)
@@ -544,7 +549,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
   const int r0 = 16 * warp + g;  // this thread's accumulator rows: r0, r0 + 8
-  const int64_t t = PAIR ? 2 * int64_t(blockIdx.x) : blockIdx.x;  // (the first) query row
+  // (the first) query row; t0 only with SORT (the other launches are one wave: t0 = 0)
+  const int64_t t = (SORT ? t0 : 0) + (PAIR ? 2 * int64_t(blockIdx.x) : blockIdx.x);
   const bool has1 = PAIR && t + 1 < a.t;                            // PAIR: row t + 1 exists
   const int64_t b = t / a.s_q;
   const uint32_t s_iq = SmemU32(sm.iq), s_g = SmemU32(sm.gs), s_ik = SmemU32(sm.ik[0]);
@@ -887,6 +893,40 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
       if (lane == 0) sm.flags[j >> 5] = m != 0;
     }
     __syncthreads();
+    if constexpr (SORT) {
+      // By key row, -1 last (all ones in the sorted bits: above every row < NB * s_kv), in the
+      // key-tile ring (no tile is loaded yet). Thread tid holds slots 16 tid .. 16 tid + 15.
+      using Sort = cub::BlockRadixSort<uint32_t, kWgThreads, kMaxTopk / kWgThreads, float>;
+      static_assert(sizeof(typename Sort::TempStorage) <= sizeof(sm.ik), "sort storage in the ring");
+      constexpr int E = kMaxTopk / kWgThreads;
+      const uint32_t n_rows = uint32_t((a.t / a.s_q) * a.s_kv);
+      const int bits = 32 - __clz(n_rows);  // 2^bits - 1 >= n_rows > every row
+      uint32_t keys[E];
+      float vals[E];
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const int j = E * tid + i;
+        const int r = j < k_pad ? rows[j] : -1;
+        keys[i] = r < 0 ? 0xffffffffu : uint32_t(r);
+        vals[i] = r < 0 ? 0.f : ds[j];
+      }
+      __syncthreads();  // every read of rows and ds done
+      Sort(*reinterpret_cast<typename Sort::TempStorage*>(&sm.ik[0][0])).Sort(keys, vals, 0, bits);
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const int j = E * tid + i;
+        if (j < k_pad) {
+          rows[j] = keys[i] == 0xffffffffu ? -1 : int(keys[i]);
+          ds[j] = vals[i];
+        }
+      }
+      __syncthreads();
+      for (int j = tid; j < k_pad; j += kWgThreads) {  // whole warps: k_pad is a multiple of 64
+        const unsigned m = __ballot_sync(0xffffffffu, rows[j] >= 0);
+        if (lane == 0) sm.flags[j >> 5] = m != 0;
+      }
+      __syncthreads();
+    }
     if (warp == 0) {  // compact the active tiles (at most 32: one a lane)
       const bool act = lane < n_all && (sm.flags[2 * lane] | sm.flags[2 * lane + 1]);
       const unsigned m = __ballot_sync(0xffffffffu, act);
@@ -961,18 +1001,46 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a) 
 
 int FwdClusters(int64_t k) { return int((k + kSlotsPerCta - 1) / kSlotsPerCta); }
 
-template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false>
+template <int HI, bool BULK, bool DENSE = false, bool PAIR = false, bool FIXED = false, bool SORT = false>
 cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   const int64_t k_pad = (a.k + kBTile - 1) / kBTile * kBTile;
   constexpr int kStages = WgStages(BULK, PAIR);
   // rows (int32) and dscore (float32) or PAIR's validity bits (uint8) a slot; + alignment
   const size_t smem = sizeof(BwdWgSmem<HI, kStages, BULK>) + size_t(k_pad) * (PAIR ? 5 : 8) + 1024;
-  auto kernel = KlBwdKernelWg<HI, BULK, DENSE, PAIR, FIXED>;
+  auto kernel = KlBwdKernelWg<HI, BULK, DENSE, PAIR, FIXED, SORT>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
-  const int64_t grid = PAIR ? (a.t + 1) / 2 : a.t;
-  kernel<<<dim3(unsigned(grid)), kWgThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  // SORT: one wave of resident CTAs a launch (the rows of concurrent CTAs then sweep d_ik together).
+  int64_t wave = INT64_MAX;
+  if constexpr (SORT) {
+    int dev = 0, sms = 0, per_sm = 0;
+    if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWgThreads, smem)) != cudaSuccess)
+      return e;
+    if (sms > 0 && per_sm > 0) wave = int64_t(sms) * per_sm;
+  }
+  const int64_t ctas = PAIR ? (a.t + 1) / 2 : a.t;
+  for (int64_t c0 = 0; c0 < ctas; c0 += wave) {  // (one launch unless SORT)
+    const int64_t grid = ctas - c0 < wave ? ctas - c0 : wave;
+    kernel<<<dim3(unsigned(grid)), kWgThreads, smem, stream>>>(a, PAIR ? 2 * c0 : c0);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+// The experiments read at launch (benchmarks/notes/indexer_kl_loss.md, session 40; off unless the
+// variable is "1").
+bool EnvOn(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+// Whether d_ik's accumulator (bytes_per_row a key row) outgrows the device's L2 cache.
+bool OutgrowsL2(int64_t key_rows, int bytes_per_row) {
+  int dev = 0, l2 = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
+    return false;
+  return key_rows * bytes_per_row > int64_t(l2);
 }
 
 }  // namespace
@@ -1056,12 +1124,13 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     e = cudaMemsetAsync(a.d_ik_nonfinite, 0, size_t(n_ik / kIndexHeadDim) * 4, stream);
     if (e != cudaSuccess) return e;
     if (a.t > 0) {
-      // Experiment (session 40, not yet measured; benchmarks/notes/indexer_kl_loss.md): with
-      // JAX_DSA_KL_DET_BULK=1 in the environment at launch, the sparse form at <= 32 index heads
-      // sends bulk u64 reductions; otherwise scalar ones.
-      const char* bulk_env = std::getenv("JAX_DSA_KL_DET_BULK");
-      const bool bulk = bulk_env != nullptr && bulk_env[0] == '1' && a.h_i <= 32;
+      // Experiments: JAX_DSA_KL_DET_BULK=1, the sparse form at <= 32 index heads sends bulk u64
+      // reductions (otherwise scalar ones); with JAX_DSA_KL_SORT_WAVES=1 as well, sorted slots
+      // and wave launches once the fixed-point accumulator outgrows L2.
+      const bool bulk = EnvOn("JAX_DSA_KL_DET_BULK") && a.h_i <= 32;
+      const bool sort = bulk && EnvOn("JAX_DSA_KL_SORT_WAVES") && OutgrowsL2(n_ik / kIndexHeadDim, 8 * kIndexHeadDim);
       e = a.index_lse != nullptr ? LaunchBwdWgHi<64, false, true, false, true>(a, stream)
+          : sort                 ? LaunchBwdWgHi<32, true, false, false, true, true>(a, stream)
           : bulk                 ? LaunchBwdWgHi<32, true, false, false, true>(a, stream)
                                  : LaunchBwdWgHi<64, false, false, false, true>(a, stream);
       if (e != cudaSuccess) return e;
@@ -1080,6 +1149,8 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     if (a.h_i > 32) return LaunchBwdWgHi<64, false, true>(a, stream);
     return LaunchBwdWgHi<64, true, true, true>(a, stream);
   }
+  if (a.h_i <= 32 && EnvOn("JAX_DSA_KL_SORT_WAVES") && OutgrowsL2(n_ik / kIndexHeadDim, 4 * kIndexHeadDim))
+    return LaunchBwdWgHi<32, true, false, false, false, true>(a, stream);  // experiment, above
   return a.h_i <= 32 ? LaunchBwdWgHi<32, true>(a, stream) : LaunchBwdWgHi<64, false>(a, stream);
 }
 
