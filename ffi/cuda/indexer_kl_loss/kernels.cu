@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "cuda/common/relu.h"
 #include "cuda/common/sm90_wgmma.h"
@@ -895,7 +896,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a, 
     __syncthreads();
     if constexpr (SORT) {
       // By key row, -1 last (all ones in the sorted bits: above every row < NB * s_kv), in the
-      // key-tile ring (no tile is loaded yet). Thread tid holds slots 16 tid .. 16 tid + 15.
+      // key-tile ring (no tile is loaded yet). Striped in and out (slot tid + 128 i: no bank
+      // conflicts); the input order only orders equal rows, in a fixed way.
+      static_assert(kMaxTopk % kWgThreads == 0, "whole items a thread");
       using Sort = cub::BlockRadixSort<uint32_t, kWgThreads, kMaxTopk / kWgThreads, float>;
       static_assert(sizeof(typename Sort::TempStorage) <= sizeof(sm.ik), "sort storage in the ring");
       constexpr int E = kMaxTopk / kWgThreads;
@@ -905,16 +908,16 @@ __global__ void __launch_bounds__(kWgThreads, 2) KlBwdKernelWg(const BwdArgs a, 
       float vals[E];
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        const int j = E * tid + i;
+        const int j = tid + kWgThreads * i;
         const int r = j < k_pad ? rows[j] : -1;
         keys[i] = r < 0 ? 0xffffffffu : uint32_t(r);
         vals[i] = r < 0 ? 0.f : ds[j];
       }
       __syncthreads();  // every read of rows and ds done
-      Sort(*reinterpret_cast<typename Sort::TempStorage*>(&sm.ik[0][0])).Sort(keys, vals, 0, bits);
+      Sort(*reinterpret_cast<typename Sort::TempStorage*>(&sm.ik[0][0])).SortBlockedToStriped(keys, vals, 0, bits);
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        const int j = E * tid + i;
+        const int j = tid + kWgThreads * i;
         if (j < k_pad) {
           rows[j] = keys[i] == 0xffffffffu ? -1 : int(keys[i]);
           ds[j] = vals[i];
@@ -1029,14 +1032,17 @@ cudaError_t LaunchBwdWgHi(const BwdArgs& a, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-// The experiments read at launch (benchmarks/notes/indexer_kl_loss.md, session 40; off unless the
-// variable is "1").
-bool EnvOn(const char* name) {
+// The experiments read at launch (benchmarks/notes/indexer_kl_loss.md, session 40): whether the
+// variable `name` is `value`.
+bool EnvIs(const char* name, const char* value) {
   const char* v = std::getenv(name);
-  return v != nullptr && v[0] == '1' && v[1] == '\0';
+  return v != nullptr && std::strcmp(v, value) == 0;
 }
-// Whether d_ik's accumulator (bytes_per_row a key row) outgrows the device's L2 cache.
-bool OutgrowsL2(int64_t key_rows, int bytes_per_row) {
+// JAX_DSA_KL_SORT_WAVES: "1" sorts and launches waves once d_ik's accumulator (bytes_per_row a
+// key row) outgrows the device's L2 cache, "force" at any size (for tests on small shapes).
+bool SortWaves(int64_t key_rows, int bytes_per_row) {
+  if (EnvIs("JAX_DSA_KL_SORT_WAVES", "force")) return true;
+  if (!EnvIs("JAX_DSA_KL_SORT_WAVES", "1")) return false;
   int dev = 0, l2 = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
     return false;
@@ -1127,8 +1133,8 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
       // Experiments: JAX_DSA_KL_DET_BULK=1, the sparse form at <= 32 index heads sends bulk u64
       // reductions (otherwise scalar ones); with JAX_DSA_KL_SORT_WAVES=1 as well, sorted slots
       // and wave launches once the fixed-point accumulator outgrows L2.
-      const bool bulk = EnvOn("JAX_DSA_KL_DET_BULK") && a.h_i <= 32;
-      const bool sort = bulk && EnvOn("JAX_DSA_KL_SORT_WAVES") && OutgrowsL2(n_ik / kIndexHeadDim, 8 * kIndexHeadDim);
+      const bool bulk = EnvIs("JAX_DSA_KL_DET_BULK", "1") && a.h_i <= 32;
+      const bool sort = bulk && SortWaves(n_ik / kIndexHeadDim, 8 * kIndexHeadDim);
       e = a.index_lse != nullptr ? LaunchBwdWgHi<64, false, true, false, true>(a, stream)
           : sort                 ? LaunchBwdWgHi<32, true, false, false, true, true>(a, stream)
           : bulk                 ? LaunchBwdWgHi<32, true, false, false, true>(a, stream)
@@ -1149,7 +1155,7 @@ cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
     if (a.h_i > 32) return LaunchBwdWgHi<64, false, true>(a, stream);
     return LaunchBwdWgHi<64, true, true, true>(a, stream);
   }
-  if (a.h_i <= 32 && EnvOn("JAX_DSA_KL_SORT_WAVES") && OutgrowsL2(n_ik / kIndexHeadDim, 4 * kIndexHeadDim))
+  if (a.h_i <= 32 && SortWaves(n_ik / kIndexHeadDim, 4 * kIndexHeadDim))
     return LaunchBwdWgHi<32, true, false, false, false, true>(a, stream);  // experiment, above
   return a.h_i <= 32 ? LaunchBwdWgHi<32, true>(a, stream) : LaunchBwdWgHi<64, false>(a, stream);
 }
