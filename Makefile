@@ -17,7 +17,7 @@ test-slow: setup
 	.venv/bin/python -m pytest -q -n 2 --dist worksteal -m slow tests
 
 # The GPU tests (pytest marker `gpu`: the CUDA kernels against float64 oracles at real model
-# dims) on an SM90 machine, in one process (one GPU); `make test` skips them (134; 119 of them
+# dims) on an SM90 machine, in one process (one GPU); `make test` skips them (137; 119 of them
 # took 13.6 minutes on one H100); an error, not a pass, where no SM90 GPU or CUDA module is found.
 test-gpu: setup
 	.venv/bin/python -m pytest -q -m gpu tests
