@@ -662,24 +662,29 @@ KL_BWD_VARIANTS = [
 def test_gpu_kernel_b_variants_match_the_plain_kernel(monkeypatch, env, det, same_d_ik):
     """Each variant against the plain kernel B of the same mode, and both against the float64
     oracle, at GLM-5's dims (H_I 32: the variants' kernels; T 2048: eight waves of 264 rows on an
-    H100 under SORT_WAVES=force)."""
+    H100 under SORT_WAVES=force); with a NaN in one query's index_q, the same d index_k rows come
+    out NaN as with the plain kernel."""
     rng = np.random.default_rng(23)
     x = make_inputs(rng, 1, 2048, 2048, 64, 576, 32, 2048, segments=False)
+    poisoned_iq = jnp.asarray(x["iq"]).at[0, 700, 0, 0].set(jnp.nan)
 
-    def grads():  # a new function each call: compiled, and so launched, under the current env
+    def grads(iq=x["iq"]):  # a new function each call: compiled, and so launched, under the env
         def loss(iq, ik, iw):
             return kl_loss.indexer_kl_loss(
                 iq, ik, iw, x["q"], x["kv"], sm_scale=576 ** -0.5, q_positions=x["q_pos"],
                 kv_positions=x["kv_pos"], indices=x["idx"], implementation="cuda",
                 deterministic=det)
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x["iq"], x["ik"], x["iw"])
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(iq, x["ik"], x["iw"])
 
     for var in env:
         monkeypatch.delenv(var, raising=False)
-    plain = grads()
+    plain, plain_nan = grads(), grads(poisoned_iq)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    got, again = grads(), grads()
+    got, again, got_nan = grads(), grads(), grads(poisoned_iq)
+    nan_rows = np.isnan(np.asarray(got_nan[1])).any(-1)
+    np.testing.assert_array_equal(nan_rows, np.isnan(np.asarray(plain_nan[1])).any(-1))
+    assert 0 < nan_rows.sum() < nan_rows.size
     ref = oracle.sparse_kl_loss(x, 576 ** -0.5)
     for name, a, b, want in zip(("d_iq", "d_ik", "d_w"), got, plain, ref[1:]):
         assert rel_l2(a, want) <= 1e-2, name
